@@ -1,0 +1,235 @@
+"""``compile()``: an ONNX model in, an optimised ORT session on the configured providers out.
+
+The optimised graph is cached on disk under a key made of the model's content
+hash (external data included), the ORT version, the providers and their
+options, the optimisation level and the machine. A cache entry is written to a
+temporary directory and renamed into place, so concurrent compiles never see a
+half-written entry.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from rlxrt.config import Config, load_config
+from rlxrt.errors import ModelFormatError, ProviderError
+from rlxrt.manifest import Manifest
+from rlxrt.providers import short_name
+
+from .modelfile import content_hash, external_files, locate
+from .registry import Registry, Resolution, default_registry
+
+log = logging.getLogger("rlxrt")
+
+CACHE_LAYOUT = "1"
+# Providers whose optimised graphs ORT can serialise; others compile nodes at load.
+CACHEABLE = {"cpu", "cuda", "rocm"}
+OPT_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
+              "layout": "ORT_ENABLE_LAYOUT", "all": "ORT_ENABLE_ALL"}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int | str | None, ...]
+    """Static sizes as ints, symbolic ones by name (or None)."""
+    dtype: str
+    """ORT's type string, e.g. ``tensor(float)``."""
+
+
+@dataclass
+class CompiledGraph:
+    """An ORT session plus its I/O contract and how it was made."""
+
+    session: Any
+    """The onnxruntime.InferenceSession."""
+    path: Path
+    """The source graph file."""
+    manifest: Manifest | None
+    """The model directory's manifest, when compiled from one."""
+    providers: list[str]
+    """Short names of the providers the session actually registered, in order."""
+    requested: list[str]
+    """The configured preference list."""
+    fallbacks: list[str]
+    """One sentence per preferred provider that is not in use (empty when all went as configured)."""
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    cache: str
+    """"hit", "miss" or "off" (with the reason after a colon when off)."""
+    cache_path: Path | None
+    load_seconds: float
+    config: Config = field(repr=False)
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path), "providers": self.providers, "requested": self.requested,
+            "fallbacks": self.fallbacks, "cache": self.cache,
+            "cache_path": str(self.cache_path) if self.cache_path else None,
+            "load_seconds": round(self.load_seconds, 4),
+            "inputs": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in self.inputs],
+            "outputs": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in self.outputs],
+        }
+
+
+@lru_cache(maxsize=1)
+def machine_fingerprint() -> str:
+    """CPU model and feature flags: an ORT-optimised graph can be hardware-specific."""
+    parts = [platform.system(), platform.machine(), platform.processor()]
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith(("model name", "flags", "Features")):
+                    parts.append(line.split(":", 1)[1].strip())
+                if len(parts) >= 5:
+                    break
+    except OSError:
+        pass
+    return hashlib.blake2b("|".join(parts).encode(), digest_size=8).hexdigest()
+
+
+def session_options(ort, config: Config, level: str | None = None):
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.intra_op_num_threads = config.intra_op_threads
+    opts.inter_op_num_threads = config.inter_op_threads
+    spin = "1" if config.spinning else "0"
+    opts.add_session_config_entry("session.intra_op.allow_spinning", spin)
+    opts.add_session_config_entry("session.inter_op.allow_spinning", spin)
+    name = OPT_LEVELS[level or config.graph_optimization]
+    if not hasattr(ort.GraphOptimizationLevel, name):
+        raise ProviderError(
+            f"graph_optimization {config.graph_optimization!r} is not supported by onnxruntime "
+            f"{ort.__version__}; use one of basic, extended, all"
+        )
+    opts.graph_optimization_level = getattr(ort.GraphOptimizationLevel, name)
+    return opts
+
+
+def _cache_key(model_hash: str, ort_version: str, res: Resolution, config: Config) -> str:
+    blob = json.dumps({
+        "layout": CACHE_LAYOUT, "model": model_hash, "ort": ort_version,
+        "providers": res.providers, "level": config.graph_optimization, "machine": machine_fingerprint(),
+    }, sort_keys=True)
+    return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
+
+
+def _make_session(ort, path: Path, opts, res: Resolution):
+    try:
+        return ort.InferenceSession(str(path), sess_options=opts, providers=res.providers)
+    except Exception as exc:  # ORT raises Fail / InvalidProtobuf / InvalidGraph / RuntimeError
+        text = str(exc).strip().splitlines()[0][:500] if str(exc).strip() else type(exc).__name__
+        raise ModelFormatError(
+            f"onnxruntime cannot load {str(path)!r}: {text}; check that the file is a complete ONNX model "
+            "(re-export it) and that the providers support its operators"
+        ) from None
+
+
+def compile(model: str | os.PathLike, config: Config | None = None, *,
+            registry: Registry | None = None) -> CompiledGraph:
+    """Create an optimised ORT session for ``model`` (an .onnx file or an exported model directory).
+
+    ``config`` defaults to :func:`rlxrt.load_config` (environment, ``rlxrt.toml``).
+    Provider fallbacks are errors under ``config.strict`` and warnings otherwise,
+    recorded in ``CompiledGraph.fallbacks``.
+    """
+    config = config if config is not None else load_config()
+    registry = registry or default_registry()
+    start = time.perf_counter()
+    graph_path, manifest = locate(model)
+    _, ext_files = external_files(graph_path)
+    res = registry.resolve(config)
+    ort = registry.ort
+
+    cache_state, cache_path, session = "off", None, None
+    non_cacheable = [n for n in res.names if n not in CACHEABLE]
+    if not config.cache:
+        cache_state = "off: disabled in config"
+    elif non_cacheable:
+        cache_state = f"off: {', '.join(non_cacheable)} compiles nodes at load; ORT cannot save them"
+    else:
+        root = Path(config.cache_dir)
+        model_hash = content_hash([graph_path, *ext_files], memo_dir=root / "hashes")
+        key = _cache_key(model_hash, ort.__version__, res, config)
+        cache_path = root / "graphs" / key
+        session = _load_cached(ort, cache_path, config, res)
+        if session is not None:
+            cache_state = "hit"
+        else:
+            session = _compile_into_cache(ort, graph_path, cache_path, config, res)
+            cache_state = "miss"
+    if session is None:
+        session = _make_session(ort, graph_path, session_options(ort, config), res)
+
+    used = [short_name(p) for p in session.get_providers()]
+    fallbacks = list(res.fallbacks)
+    for name in res.names:
+        if name not in used:
+            msg = f"provider {name!r} was requested but the session silently runs on {', '.join(used)}"
+            if config.strict:
+                raise ProviderError(f"{msg}; strict mode is on — fix the provider or drop it from the config")
+            log.warning(msg)
+            fallbacks.append(msg)
+    return CompiledGraph(
+        session=session, path=graph_path, manifest=manifest, providers=used,
+        requested=list(config.providers), fallbacks=fallbacks,
+        inputs=[TensorSpec(i.name, tuple(i.shape), i.type) for i in session.get_inputs()],
+        outputs=[TensorSpec(o.name, tuple(o.shape), o.type) for o in session.get_outputs()],
+        cache=cache_state, cache_path=cache_path, load_seconds=time.perf_counter() - start, config=config,
+    )
+
+
+def _load_cached(ort, entry: Path, config: Config, res: Resolution):
+    graph = entry / "model.onnx"
+    if not graph.is_file():
+        return None
+    try:
+        return ort.InferenceSession(str(graph), sess_options=session_options(ort, config, "disable"),
+                                    providers=res.providers)
+    except Exception as exc:  # a damaged entry: drop it and compile afresh
+        log.warning("cached graph %s is unreadable (%s); recompiling", entry, str(exc).splitlines()[0][:200])
+        shutil.rmtree(entry, ignore_errors=True)
+        return None
+
+
+def _compile_into_cache(ort, graph_path: Path, entry: Path, config: Config, res: Resolution):
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
+    try:
+        opts = session_options(ort, config)
+        opts.optimized_model_filepath = str(tmp / "model.onnx")
+        opts.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                      "model.onnx.data")
+        opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
+                                      "1024")
+        session = _make_session(ort, graph_path, opts, res)
+        (tmp / "meta.json").write_text(json.dumps({
+            "source": str(graph_path), "ort": ort.__version__, "providers": res.providers,
+            "graph_optimization": config.graph_optimization, "machine": machine_fingerprint(),
+        }, indent=1))
+        try:
+            os.rename(tmp, entry)
+        except OSError:  # another process finished first; its entry is as good as ours
+            shutil.rmtree(tmp, ignore_errors=True)
+        return session
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,41 @@
+"""rlxrt: exact speculative decoding on ONNX Runtime.
+
+``import rlxrt`` is light: it imports neither onnxruntime nor torch. The heavy
+entry points are loaded on first use:
+
+- ``rlxrt.compile(model, config)``  -> ``rlxrt.backends.CompiledGraph``
+- ``rlxrt.export(src, out, ...)``    -> an exported model directory (needs ``rlxrt[export]``)
+- ``rlxrt.Session(target, speculator)`` and the speculators ``DraftModel``, ``PromptLookup``
+"""
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+from .config import Config, load_config
+from .errors import (ConfigError, ExportError, GenerationError, MissingDependencyError, ModelFormatError,
+                     ProviderError, RlxrtError)
+from .manifest import Manifest
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "compile": ("rlxrt.backends", "compile"),
+    "CompiledGraph": ("rlxrt.backends", "CompiledGraph"),
+    "export": ("rlxrt.exporters", "export"),
+    "Session": ("rlxrt.sessions", "Session"),
+    "Generation": ("rlxrt.sessions", "Generation"),
+    "DraftModel": ("rlxrt.sessions", "DraftModel"),
+    "PromptLookup": ("rlxrt.sessions", "PromptLookup"),
+}
+
+__all__ = ["Config", "load_config", "Manifest", "RlxrtError", "ConfigError", "ProviderError",
+           "MissingDependencyError", "ModelFormatError", "ExportError", "GenerationError", "__version__",
+           *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        return getattr(import_module(module), attr)
+    raise AttributeError(f"module 'rlxrt' has no attribute {name!r}")

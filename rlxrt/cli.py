@@ -1,0 +1,147 @@
+"""The ``rlxrt`` command line.
+
+Each command imports the sub-package it needs inside its own function, so
+``rlxrt --help`` and ``rlxrt generate`` never import torch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any, Callable
+
+from . import __version__
+from .errors import RlxrtError
+
+EXIT_ERROR = 1  # an RlxrtError: bad input, missing provider, failed export ...
+EXIT_USAGE = 2  # argparse's own exit code for bad flags
+
+
+def _print_json(obj: Any) -> None:
+    json.dump(obj, sys.stdout, indent=2, default=str)
+    sys.stdout.write("\n")
+
+
+def _config(args: argparse.Namespace):
+    from .config import load_config
+
+    return load_config(getattr(args, "config", None), providers=getattr(args, "providers", None),
+                       strict=True if getattr(args, "strict", False) else None,
+                       intra_op_threads=getattr(args, "threads", None))
+
+
+def cmd_providers(args: argparse.Namespace) -> int:
+    from .backends import default_registry
+
+    config = _config(args)
+    reg = default_registry()
+    statuses = reg.all()
+    try:
+        res = reg.resolve(config)
+        chosen, fallbacks, error = res.names, res.fallbacks, None
+    except RlxrtError as exc:
+        chosen, fallbacks, error = [], [], str(exc)
+    ort = reg.ort
+    if args.json:
+        _print_json({"onnxruntime": getattr(ort, "__version__", None), "configured": list(config.providers),
+                     "would_use": chosen, "fallbacks": fallbacks, "error": error,
+                     "providers": [s.to_dict() for s in statuses]})
+        return 0 if error is None else EXIT_ERROR
+    print(f"onnxruntime {getattr(ort, '__version__', 'not installed')}")
+    for s in statuses:
+        mark = "yes" if s.available else "no "
+        print(f"  {s.name:<9} {mark}  {s.reason if not s.available else s.ort_name}")
+    print(f"configured: {', '.join(config.providers)}")
+    if error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_ERROR
+    print(f"would use:  {', '.join(chosen)}")
+    return 0
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from .backends import compile
+
+    graph = compile(args.model, _config(args))
+    if args.json:
+        _print_json(graph.to_dict())
+    else:
+        print(f"{graph.path}: providers {', '.join(graph.providers)}; cache {graph.cache}; "
+              f"loaded in {graph.load_seconds:.3f} s")
+        for f in graph.fallbacks:
+            print(f"  fallback: {f}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .inspect import inspect_model
+
+    info = inspect_model(args.model)
+    if args.json:
+        _print_json(info)
+        return 0
+    print(f"graph:  {info['graph']}  ({info['size_bytes'] / 1e6:.1f} MB, opset {info['opset']})")
+    for kind in ("inputs", "outputs"):
+        print(f"{kind}:")
+        for t in info[kind]:
+            print(f"  {t['name']:<32} {t['dtype']:<8} {t['shape']}")
+    if info["manifest"]:
+        m = info["manifest"]
+        print(f"manifest: {m['architecture']} ({m['model_type']}), vocab {m['vocab_size']}, "
+              f"max positions {m['max_positions']}, dtype {m['dtype']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlxrt", description="Exact speculative decoding on ONNX Runtime.")
+    parser.add_argument("--version", action="version", version=f"rlxrt {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(func=fn)
+        return p
+
+    def runtime_flags(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--providers", help="comma-separated preference list, e.g. cuda,cpu")
+        p.add_argument("--strict", action="store_true", help="fail instead of falling back to another provider")
+        p.add_argument("--threads", type=int, help="intra-op threads (0 = ORT default)")
+        p.add_argument("--config", help="TOML config file (default: ./rlxrt.toml if present)")
+
+    p = add("providers", cmd_providers, "list execution providers: available or not, why, and which would be used")
+    runtime_flags(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = add("compile", cmd_compile, "compile a model into an optimised, cached ORT session")
+    p.add_argument("model", help="an .onnx file or a directory made by `rlxrt export`")
+    runtime_flags(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = add("inspect", cmd_inspect, "show a model's inputs, outputs, opset, size and manifest")
+    p.add_argument("model", help="an .onnx file or a directory made by `rlxrt export`")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    from .cli_more import add_commands
+
+    add_commands(add, runtime_flags)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="rlxrt: %(levelname)s: %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return args.func(args)
+    except RlxrtError as exc:
+        print(f"rlxrt: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("rlxrt: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,259 @@
+"""Runtime configuration: one frozen, typed record, validated on load.
+
+Precedence: explicit arguments > environment (``RLXRT_*``) > TOML file
+(``--config``/``RLXRT_CONFIG``, else ``rlxrt.toml`` in the working directory)
+> defaults. Unknown keys and bad values raise :class:`ConfigError` naming the
+key, the value and what is allowed.
+
+Example ``rlxrt.toml``::
+
+    providers = ["cuda", "cpu"]
+    strict = true
+    intra_op_threads = 4
+    [provider_options.cuda]
+    device_id = 1
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from .errors import ConfigError
+from .providers import NAMES as PROVIDER_NAMES
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "layout", "all")
+CONFIG_FILE_NAME = "rlxrt.toml"
+ENV_PREFIX = "RLXRT_"
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "rlxrt")
+
+
+@dataclass(frozen=True)
+class Config:
+    """How rlxrt creates ONNX Runtime sessions."""
+
+    providers: tuple[str, ...] = ("cpu",)
+    """Execution providers in order of preference, by short name (see ``rlxrt providers``)."""
+    strict: bool = False
+    """If true, a preferred provider that is unavailable or silently replaced is an error, not a warning."""
+    intra_op_threads: int = 0
+    """Threads inside one operator; 0 lets ONNX Runtime choose (one per physical core)."""
+    inter_op_threads: int = 0
+    """Threads across independent operators; 0 lets ONNX Runtime choose."""
+    allow_spinning: bool | None = None
+    """Let idle intra-op threads spin; None means off unless intra_op_threads == 1 (spinning doubles step time on a busy machine)."""
+    graph_optimization: str = "all"
+    """ONNX Runtime graph optimisation level: one of disable, basic, extended, layout, all."""
+    cache_dir: str = field(default_factory=_default_cache_dir)
+    """Where optimised graphs are cached (keyed by model hash, ORT version, providers, options, machine)."""
+    cache: bool = True
+    """Whether to use the on-disk cache of optimised graphs."""
+    provider_options: Mapping[str, Mapping[str, str]] = field(default_factory=lambda: MappingProxyType({}))
+    """Per-provider ORT options, e.g. {"cuda": {"device_id": "1"}}; values are passed to ORT as strings."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            object.__setattr__(self, f.name, _coerce(f.name, getattr(self, f.name), "argument"))
+
+    @property
+    def spinning(self) -> bool:
+        """The effective spinning setting."""
+        if self.allow_spinning is not None:
+            return self.allow_spinning
+        return self.intra_op_threads == 1
+
+    def with_overrides(self, **overrides: Any) -> "Config":
+        """A copy with some fields replaced (values are validated); None values are ignored."""
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        _check_keys(overrides, "argument")
+        return replace(self, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["providers"] = list(self.providers)
+        out["provider_options"] = {k: dict(v) for k, v in self.provider_options.items()}
+        return out
+
+
+FIELD_NAMES = tuple(f.name for f in fields(Config))
+
+
+def _check_keys(values: Mapping[str, Any], source: str) -> None:
+    for key in values:
+        if key not in FIELD_NAMES:
+            raise ConfigError(
+                f"unknown config key {key!r} (from {source}); allowed keys: {', '.join(FIELD_NAMES)}"
+            )
+
+
+def _bool(key: str, value: Any, source: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"config key {key!r} (from {source}) must be true or false, got {value!r}")
+
+
+def _int(key: str, value: Any, source: str, low: int = 0) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"config key {key!r} (from {source}) must be an integer >= {low}, got {value!r}")
+    try:
+        out = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"config key {key!r} (from {source}) must be an integer >= {low}, got {value!r}") from None
+    if out < low or (isinstance(value, float) and value != out):
+        raise ConfigError(f"config key {key!r} (from {source}) must be an integer >= {low}, got {value!r}")
+    return out
+
+
+def _providers(value: Any, source: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [v for v in value.replace(" ", "").split(",") if v]
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ConfigError(
+            f"config key 'providers' (from {source}) must be a non-empty list of provider names, got {value!r}; "
+            f"known providers: {', '.join(PROVIDER_NAMES)}"
+        )
+    out = []
+    for name in value:
+        norm = str(name).strip().lower()
+        if norm not in PROVIDER_NAMES:
+            raise ConfigError(
+                f"unknown provider {name!r} in config key 'providers' (from {source}); "
+                f"known providers: {', '.join(PROVIDER_NAMES)}"
+            )
+        if norm in out:
+            raise ConfigError(f"provider {name!r} is listed twice in config key 'providers' (from {source})")
+        out.append(norm)
+    return tuple(out)
+
+
+def _provider_options(value: Any, source: str) -> Mapping[str, Mapping[str, str]]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"config key 'provider_options' (from {source}) must be JSON like "
+                f'{{"cuda": {{"device_id": 0}}}}, got {value!r} ({exc})'
+            ) from None
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"config key 'provider_options' (from {source}) must be a table of tables, got {value!r}")
+    out = {}
+    for name, opts in value.items():
+        if name not in PROVIDER_NAMES:
+            raise ConfigError(
+                f"unknown provider {name!r} in config key 'provider_options' (from {source}); "
+                f"known providers: {', '.join(PROVIDER_NAMES)}"
+            )
+        if not isinstance(opts, Mapping):
+            raise ConfigError(
+                f"config key 'provider_options.{name}' (from {source}) must be a table of option = value, got {opts!r}"
+            )
+        conv = {}
+        for k, v in opts.items():
+            if isinstance(v, (dict, list, tuple)) or v is None:
+                raise ConfigError(
+                    f"config key 'provider_options.{name}.{k}' (from {source}) must be a string, number or bool, got {v!r}"
+                )
+            conv[str(k)] = ("1" if v else "0") if isinstance(v, bool) else str(v)
+        out[name] = MappingProxyType(conv)
+    return MappingProxyType(out)
+
+
+def _coerce(key: str, value: Any, source: str) -> Any:
+    if key == "providers":
+        return _providers(value, source)
+    if key == "strict" or key == "cache":
+        return _bool(key, value, source)
+    if key in ("intra_op_threads", "inter_op_threads"):
+        return _int(key, value, source)
+    if key == "allow_spinning":
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "auto")):
+            return None
+        return _bool(key, value, source)
+    if key == "graph_optimization":
+        norm = str(value).strip().lower()
+        if norm not in OPTIMIZATION_LEVELS:
+            raise ConfigError(
+                f"config key 'graph_optimization' (from {source}) must be one of "
+                f"{', '.join(OPTIMIZATION_LEVELS)}, got {value!r}"
+            )
+        return norm
+    if key == "cache_dir":
+        if not isinstance(value, (str, os.PathLike)) or not str(value):
+            raise ConfigError(f"config key 'cache_dir' (from {source}) must be a directory path, got {value!r}")
+        return str(Path(value).expanduser())
+    if key == "provider_options":
+        return _provider_options(value, source)
+    raise ConfigError(f"unknown config key {key!r} (from {source}); allowed keys: {', '.join(FIELD_NAMES)}")
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, str]:
+    out = {}
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
+            continue
+        key = name[len(ENV_PREFIX):].lower()
+        if key not in FIELD_NAMES:
+            allowed = ", ".join(ENV_PREFIX + k.upper() for k in FIELD_NAMES)
+            raise ConfigError(
+                f"unknown environment variable {name}={value!r}; allowed: {allowed}, {ENV_PREFIX}CONFIG"
+            )
+        out[key] = value
+    return out
+
+
+def _from_file(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {str(path)!r}; pass an existing TOML file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+    _check_keys(data, f"file {path}")
+    return data
+
+
+def load_config(path: str | os.PathLike | None = None, *, env: Mapping[str, str] | None = None,
+                cwd: str | os.PathLike | None = None, **overrides: Any) -> Config:
+    """Build a :class:`Config` from defaults, a TOML file, the environment and explicit arguments.
+
+    ``path`` is the TOML file (else ``RLXRT_CONFIG``, else ``rlxrt.toml`` in
+    ``cwd`` if it exists). ``overrides`` whose value is None are ignored, so
+    CLI flags can be passed straight through.
+    """
+    env = os.environ if env is None else env
+    merged: dict[str, tuple[Any, str]] = {}
+    file_path = path if path is not None else env.get(ENV_PREFIX + "CONFIG")
+    if file_path is None:
+        candidate = Path(cwd if cwd is not None else os.getcwd()) / CONFIG_FILE_NAME
+        if candidate.is_file():
+            file_path = candidate
+    if file_path is not None:
+        for k, v in _from_file(Path(file_path)).items():
+            merged[k] = (v, f"file {file_path}")
+    for k, v in _from_env(env).items():
+        merged[k] = (v, f"environment {ENV_PREFIX}{k.upper()}")
+    explicit = {k: v for k, v in overrides.items() if v is not None}
+    _check_keys(explicit, "argument")
+    for k, v in explicit.items():
+        merged[k] = (v, "argument")
+    values = {k: _coerce(k, v, src) for k, (v, src) in merged.items()}
+    return Config(**values)

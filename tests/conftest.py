@@ -1,0 +1,63 @@
+"""Shared fixtures. Tiers: pure functions; tiny graphs built with onnx.helper;
+real exported random-init models (``export`` marker); the shipped pair."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+
+def make_mlp_onnx(path: Path, *, seed: int = 0, hidden: int = 64, external: bool = False) -> Path:
+    """A small float MLP graph (MatMul/Add/Relu/MatMul/Add) with real weights."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    w1 = numpy_helper.from_array(rng.standard_normal((16, hidden)).astype(np.float32), "w1")
+    b1 = numpy_helper.from_array(rng.standard_normal(hidden).astype(np.float32), "b1")
+    w2 = numpy_helper.from_array(rng.standard_normal((hidden, 8)).astype(np.float32), "w2")
+    b2 = numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "b2")
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h0"]),
+        helper.make_node("Add", ["h0", "b1"], ["h1"]),
+        helper.make_node("Relu", ["h1"], ["h2"]),
+        helper.make_node("MatMul", ["h2", "w2"], ["y0"]),
+        helper.make_node("Add", ["y0", "b2"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])], [w1, b1, w2, b2])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if external:
+        onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                  location=path.name + ".data", size_threshold=0)
+    else:
+        onnx.save(model, str(path))
+    return path
+
+
+@pytest.fixture
+def mlp(tmp_path: Path) -> Path:
+    return make_mlp_onnx(tmp_path / "mlp" / "model.onnx")
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path) -> Path:
+    return tmp_path / "cache"
+
+
+@pytest.fixture(autouse=True)
+def _clean_rlxrt_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """Tests never see the developer's RLXRT_* variables or rlxrt.toml."""
+    for name in list(os.environ):
+        if name.startswith("RLXRT_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("RLXRT_CACHE_DIR", str(tmp_path / "default-cache"))

@@ -1,0 +1,108 @@
+import pytest
+
+from rlxrt import Config, ConfigError, load_config
+
+
+def write(tmp_path, text):
+    p = tmp_path / "rlxrt.toml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults(tmp_path):
+    c = load_config(env={}, cwd=tmp_path)
+    assert c.providers == ("cpu",)
+    assert c.strict is False and c.graph_optimization == "all" and c.cache is True
+    assert c.spinning is False  # threads 0 (ORT picks, usually > 1): spinning off
+
+
+def test_spinning_default_follows_threads():
+    assert Config(intra_op_threads=1).spinning is True
+    assert Config(intra_op_threads=4).spinning is False
+    assert Config(intra_op_threads=4, allow_spinning=True).spinning is True
+
+
+def test_precedence_args_over_env_over_file_over_defaults(tmp_path):
+    f = write(tmp_path, 'providers = ["cuda", "cpu"]\nintra_op_threads = 3\ninter_op_threads = 2\nstrict = true\n')
+    env = {"RLXRT_INTRA_OP_THREADS": "5", "RLXRT_GRAPH_OPTIMIZATION": "basic"}
+    c = load_config(f, env=env, intra_op_threads=7)
+    assert c.intra_op_threads == 7          # argument wins
+    assert c.graph_optimization == "basic"  # env over default
+    assert c.inter_op_threads == 2          # file over default
+    assert c.providers == ("cuda", "cpu") and c.strict is True
+    c2 = load_config(f, env=env)
+    assert c2.intra_op_threads == 5         # env over file
+
+
+def test_file_found_in_cwd_and_via_env(tmp_path):
+    write(tmp_path, 'providers = ["cpu"]\nintra_op_threads = 2\n')
+    assert load_config(env={}, cwd=tmp_path).intra_op_threads == 2
+    other = tmp_path / "other.toml"
+    other.write_text("intra_op_threads = 9\n")
+    assert load_config(env={"RLXRT_CONFIG": str(other)}, cwd=tmp_path).intra_op_threads == 9
+
+
+def test_none_arguments_are_ignored(tmp_path):
+    c = load_config(env={"RLXRT_PROVIDERS": "cuda,cpu"}, cwd=tmp_path, providers=None)
+    assert c.providers == ("cuda", "cpu")
+
+
+def test_provider_options(tmp_path):
+    f = write(tmp_path, '[provider_options.cuda]\ndevice_id = 1\nenable_cuda_graph = true\n')
+    c = load_config(f, env={})
+    assert dict(c.provider_options["cuda"]) == {"device_id": "1", "enable_cuda_graph": "1"}
+    c = load_config(env={"RLXRT_PROVIDER_OPTIONS": '{"cuda": {"device_id": 2}}'}, cwd=tmp_path)
+    assert c.provider_options["cuda"]["device_id"] == "2"
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"providers": ["gpu"]}, ["'gpu'", "known providers", "cuda"]),
+    ({"providers": []}, ["providers", "non-empty"]),
+    ({"providers": ["cpu", "cpu"]}, ["twice"]),
+    ({"strict": "maybe"}, ["strict", "'maybe'", "true or false"]),
+    ({"intra_op_threads": -1}, ["intra_op_threads", "-1", ">= 0"]),
+    ({"intra_op_threads": "two"}, ["intra_op_threads", "'two'"]),
+    ({"inter_op_threads": 1.5}, ["inter_op_threads", "1.5"]),
+    ({"graph_optimization": "max"}, ["graph_optimization", "'max'", "disable, basic, extended, layout, all"]),
+    ({"provider_options": {"gpu": {}}}, ["'gpu'", "provider_options"]),
+    ({"provider_options": {"cuda": {"x": [1]}}}, ["provider_options.cuda.x"]),
+    ({"provider_options": "{not json"}, ["provider_options", "JSON"]),
+    ({"cache_dir": ""}, ["cache_dir"]),
+    ({"colour": "blue"}, ["'colour'", "allowed keys", "providers"]),
+])
+def test_bad_arguments(tmp_path, kwargs, words):
+    with pytest.raises(ConfigError) as info:
+        load_config(env={}, cwd=tmp_path, **kwargs)
+    for w in words:
+        assert w in str(info.value)
+
+
+def test_bad_file(tmp_path):
+    f = write(tmp_path, 'colour = "blue"\n')
+    with pytest.raises(ConfigError, match=r"unknown config key 'colour' \(from file"):
+        load_config(f, env={})
+    f = write(tmp_path, 'providers = [\n')
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(f, env={})
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.toml", env={})
+    f = write(tmp_path, 'intra_op_threads = "lots"\n')
+    with pytest.raises(ConfigError, match="intra_op_threads.*from file.*'lots'"):
+        load_config(f, env={})
+
+
+def test_bad_env(tmp_path):
+    with pytest.raises(ConfigError, match="RLXRT_PROVIDRS.*allowed: RLXRT_PROVIDERS"):
+        load_config(env={"RLXRT_PROVIDRS": "cpu"}, cwd=tmp_path)
+    with pytest.raises(ConfigError, match="environment RLXRT_STRICT"):
+        load_config(env={"RLXRT_STRICT": "perhaps"}, cwd=tmp_path)
+
+
+def test_frozen_and_overrides():
+    c = Config()
+    with pytest.raises(Exception):
+        c.strict = True  # type: ignore[misc]
+    c2 = c.with_overrides(strict=True, providers="cuda,cpu", intra_op_threads=None)
+    assert c2.strict and c2.providers == ("cuda", "cpu") and c.strict is False
+    with pytest.raises(ConfigError):
+        c.with_overrides(nonsense=1)
