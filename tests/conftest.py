@@ -61,3 +61,40 @@ def _clean_rlxrt_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
         if name.startswith("RLXRT_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("RLXRT_CACHE_DIR", str(tmp_path / "default-cache"))
+
+
+class _Exports:
+    """Builds and exports tiny random-init HF models once per test session."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.done: dict[tuple, Path] = {}
+
+    def source(self, family: str, seed: int = 0, **kw) -> Path:
+        from hf_models import make_model
+
+        key = ("src", family, seed, tuple(sorted(kw.items())))
+        if key not in self.done:
+            path = self.root / f"src-{family}-{seed}-{len(self.done)}"
+            make_model(family, path, seed=seed, **kw)
+            self.done[key] = path
+        return self.done[key]
+
+    def __call__(self, family: str, seed: int = 0, dtype: str = "fp32", quantize: str | None = None,
+                 **kw) -> Path:
+        import rlxrt
+
+        key = ("onnx", family, seed, dtype, quantize, tuple(sorted(kw.items())))
+        if key not in self.done:
+            src = self.source(family, seed, **kw)
+            out = self.root / f"onnx-{family}-{seed}-{dtype}-{quantize}-{len(self.done)}"
+            rlxrt.export(src, out, dtype=dtype, quantize=quantize)
+            self.done[key] = out
+        return self.done[key]
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory) -> _Exports:
+    pytest.importorskip("torch", reason="needs rlxrt[export]")
+    pytest.importorskip("optimum.exporters.onnx", reason="needs rlxrt[export]")
+    return _Exports(tmp_path_factory.mktemp("exports"))

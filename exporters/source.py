@@ -1,0 +1,99 @@
+"""Find the model to export: a local directory or a hub id (offline: fail fast)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+from pathlib import Path
+
+from rlxrt.errors import ExportError
+
+TASK = "text-generation-with-past"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
+
+
+def _looks_like_path(src: str) -> bool:
+    return src.startswith(("/", "./", "../", "~", ".\\")) or os.sep in src and src.count("/") != 1
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    try:
+        with socket.create_connection(("huggingface.co", 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def resolve_source(src: str | os.PathLike) -> Path:
+    """A local directory for ``src``: itself, a cached hub snapshot, or a fresh download."""
+    path = Path(src).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ExportError(f"source {str(src)!r} is a file; pass the Hugging Face model directory that holds it")
+        if not (path / "config.json").is_file():
+            raise ExportError(
+                f"source directory {str(src)!r} has no config.json; pass a Hugging Face model directory "
+                "(one saved with `save_pretrained`)"
+            )
+        return path
+    src = str(src)
+    if _looks_like_path(src):
+        raise ExportError(f"source directory {src!r} does not exist; pass a Hugging Face model directory")
+    alternative = (f"download it on a machine with access (`huggingface-cli download {src} --local-dir DIR`) "
+                   f"and pass the local directory: rlxrt export DIR OUT")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ExportError(f"{src!r} is not a local directory and huggingface_hub is missing; {alternative}") from None
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
+    try:
+        return Path(snapshot_download(src, local_files_only=True, allow_patterns=patterns))
+    except Exception:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") or not _hub_reachable():
+        raise ExportError(f"{src!r} is not a local directory and the Hugging Face hub cannot be reached "
+                          f"(offline); {alternative}")
+    try:
+        return Path(snapshot_download(src, allow_patterns=patterns))
+    except Exception as exc:
+        raise ExportError(f"downloading {src!r} from the hub failed ({exc}); {alternative}") from None
+
+
+def read_config(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise ExportError(f"{str(path / 'config.json')!r} is not valid JSON ({exc})") from None
+
+
+def supported_model_types() -> list[str]:
+    import optimum.exporters.onnx.model_configs  # noqa: F401  (registers the architectures)
+    from optimum.exporters.tasks import TasksManager
+
+    return sorted(m for m, by in TasksManager._SUPPORTED_MODEL_TYPE.items()
+                  if TASK in by.get("onnx", {}))
+
+
+def check_architecture(config: dict) -> str:
+    model_type = config.get("model_type")
+    supported = supported_model_types()
+    if model_type not in supported:
+        raise ExportError(
+            f"unsupported architecture {model_type!r} ({', '.join(config.get('architectures') or []) or 'no class'}); "
+            f"supported: {', '.join(supported)}"
+        )
+    return model_type
+
+
+def weights_hash(path: Path) -> str:
+    files = sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    if not files:
+        raise ExportError(f"no weight files (*.safetensors, *.bin) in {str(path)!r}; save the model with its weights")
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 22):
+                h.update(chunk)
+    return h.hexdigest()

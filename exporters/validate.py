@@ -1,0 +1,74 @@
+"""Validate an exported graph against PyTorch: a prefill and a (k+1)-token step with a past.
+
+The graph is run through a ``run(feeds) -> {name: array}`` callable that the
+caller builds (``rlxrt.export`` uses ``rlxrt.backends.compile``), so this
+module creates no ORT session itself.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from rlxrt.manifest import Manifest
+
+# Max abs logit difference allowed, relative to max(1, max |reference logit|).
+TOLERANCE = {"float32": 1e-3, "float16": 3e-2, "int8": 0.3}
+
+
+def reference_logits(torch, model, vocab_size: int, prompt_len: int = 8, step_len: int = 4, seed: int = 0):
+    """Token ids for a prefill and a following step, and PyTorch's logits for both."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab_size, size=(1, prompt_len + step_len), dtype=np.int64)
+    with torch.no_grad():
+        logits = model(input_ids=torch.from_numpy(ids), use_cache=False).logits.float().numpy()
+    return ids, logits
+
+
+def feeds_for(manifest: Manifest, ids: np.ndarray, past: list[np.ndarray] | None, past_len: int) -> dict:
+    kv = manifest.kv_cache
+    s = ids.shape[1]
+    feeds = {manifest.inputs["input_ids"]: ids}
+    if manifest.inputs.get("attention_mask"):
+        feeds[manifest.inputs["attention_mask"]] = np.ones((1, past_len + s), np.int64)
+    if manifest.inputs.get("position_ids"):
+        feeds[manifest.inputs["position_ids"]] = np.arange(past_len, past_len + s, dtype=np.int64)[None]
+    if kv is not None:
+        for i in range(kv.layers):
+            pk, pv, _, _ = kv.names(i)
+            if past is None:
+                empty = np.zeros((1, kv.kv_heads, 0, kv.head_dim), dtype=kv.dtype)
+                feeds[pk], feeds[pv] = empty, empty
+            else:
+                feeds[pk], feeds[pv] = past[2 * i], past[2 * i + 1]
+    return feeds
+
+
+def validate(run: Callable[[dict], dict], manifest: Manifest, ids: np.ndarray, ref: np.ndarray,
+             prompt_len: int, tolerance: float) -> dict:
+    """Compare the graph with PyTorch's reference logits; returns the record stored in the manifest."""
+    kv = manifest.kv_cache
+    logits_name = manifest.outputs["logits"]
+    out = run(feeds_for(manifest, ids[:, :prompt_len], None, 0))
+    prefill = out[logits_name].astype(np.float32)
+    past = []
+    if kv is not None:
+        for i in range(kv.layers):
+            _, _, ck, cv = kv.names(i)
+            past += [out[ck], out[cv]]
+    out = run(feeds_for(manifest, ids[:, prompt_len:], past, prompt_len))
+    step = out[logits_name].astype(np.float32)
+    got = np.concatenate([prefill, step], axis=1)
+    diff = float(np.abs(got - ref).max())
+    scale = max(1.0, float(np.abs(ref).max()))
+    agree = float((got.argmax(-1) == ref.argmax(-1)).mean())
+    return {
+        "passed": diff <= tolerance * scale,
+        "max_abs_diff": diff,
+        "max_abs_diff_prefill": float(np.abs(prefill - ref[:, :prompt_len]).max()),
+        "max_abs_diff_step": float(np.abs(step - ref[:, prompt_len:]).max()),
+        "tolerance": tolerance * scale,
+        "argmax_agreement": agree,
+        "positions": int(ref.shape[1]),
+        "step_tokens": int(ids.shape[1] - prompt_len),
+    }

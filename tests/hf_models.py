@@ -1,0 +1,53 @@
+"""Tiny random-init Hugging Face models and a tokenizer, built inside the test session (no hub)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    print(i, i * i)\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "import os\nimport sys\n\nif __name__ == '__main__':\n    sys.exit(main())\n",
+    "Hello, world! Speculative decoding is exact. Ünïcödé → 数学 ✓\n",
+]
+
+
+def make_tokenizer(out: Path, vocab_size: int = 320):
+    """A byte-level BPE tokenizer saved as a fast Hugging Face tokenizer; returns its vocab size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.save_pretrained(str(out))
+    return tok.get_vocab_size()
+
+
+def make_model(family: str, out: Path, *, seed: int = 0, layers: int = 2, hidden: int = 64,
+               tokenizer: bool = True, init: float = 0.2):
+    """Save a random-init causal LM of ``family`` (llama, qwen2, mistral, gpt2) in ``out``."""
+    import torch
+    import transformers as tf
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = make_tokenizer(out) if tokenizer else 320
+    common = dict(vocab_size=vocab, bos_token_id=0, eos_token_id=1, pad_token_id=2, initializer_range=init)
+    if family == "gpt2":
+        cfg = tf.GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=256, **common)
+        cls = tf.GPT2LMHeadModel
+    else:
+        cfg_cls, cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+                        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+                        "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[family]
+        cfg = cfg_cls(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False, **common)
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    model.save_pretrained(str(out))
+    return model
