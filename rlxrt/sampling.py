@@ -1,0 +1,86 @@
+"""Sampling transforms and per-request random numbers (numpy only).
+
+The same transform is applied to the draft's and the target's logits before
+the acceptance rule, so the rule compares the distributions that would really
+be sampled. Temperature 0 means greedy: the distribution is one-hot at the
+argmax.
+
+Example::
+
+    >>> p = probs([[2.0, 1.0, 0.0]], SamplingParams(temperature=1.0, top_k=2))
+    >>> p.round(3).tolist()
+    [[0.731, 0.269, 0.0]]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import GenerationError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    """0 is greedy; > 0 divides the logits before the softmax."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 keeps all."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose mass reaches top_p; 1.0 keeps all."""
+
+    def __post_init__(self) -> None:
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not np.isfinite(t) or t < 0:
+            raise GenerationError(f"temperature must be a number >= 0 (0 = greedy), got {t!r}")
+        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 0:
+            raise GenerationError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not (0.0 < p <= 1.0):
+            raise GenerationError(f"top_p must be in (0, 1] (1 = off), got {p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_rng(seed: int | None) -> np.random.Generator:
+    """A counter-based (Philox) generator: the same seed reproduces a run exactly."""
+    if seed is not None and (not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0):
+        raise GenerationError(f"seed must be an integer >= 0 or None, got {seed!r}")
+    return np.random.Generator(np.random.Philox(seed))
+
+
+def probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Rows of logits [n, V] -> rows of probabilities [n, V] (float64) after the transforms."""
+    x = np.asarray(logits, dtype=np.float64)
+    if x.ndim == 1:
+        x = x[None]
+    if params.greedy:
+        out = np.zeros_like(x)
+        out[np.arange(x.shape[0]), x.argmax(-1)] = 1.0
+        return out
+    x = x / params.temperature
+    v = x.shape[-1]
+    if 0 < params.top_k < v:
+        kth = np.partition(x, v - params.top_k, axis=-1)[:, v - params.top_k][:, None]
+        x = np.where(x < kth, -np.inf, x)
+    x = x - x.max(-1, keepdims=True)
+    e = np.exp(x)
+    p = e / e.sum(-1, keepdims=True)
+    if params.top_p < 1.0:
+        order = np.argsort(-p, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(p, order, -1)
+        before = np.cumsum(sorted_p, -1) - sorted_p  # mass strictly before each token
+        keep_sorted = before < params.top_p          # the first token is always kept
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, -1)
+        p = np.where(keep, p, 0.0)
+        p /= p.sum(-1, keepdims=True)
+    return p
+
+
+def sample(p: np.ndarray, rng: np.random.Generator) -> int:
+    """One draw from a probability row [V] by inverting its CDF."""
+    c = np.cumsum(p)
+    i = int(np.searchsorted(c, rng.random() * c[-1], side="right"))
+    return min(i, p.shape[0] - 1)
