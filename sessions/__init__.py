@@ -1,0 +1,7 @@
+"""rlxrt.sessions: the Session, KV caches, the decode loop, one file per speculator."""
+from .draft_model import DraftModel
+from .kv import KVModel
+from .prompt_lookup import PromptLookup
+from .session import Generation, Session
+
+__all__ = ["DraftModel", "Generation", "KVModel", "PromptLookup", "Session"]

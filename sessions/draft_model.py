@@ -1,0 +1,85 @@
+"""Speculator: a smaller exported model drafts k tokens with its own KV cache.
+
+The draft may run on another provider than the target (its own config). Its
+cache follows the committed tokens: after a round it keeps only the prefix
+that the committed sequence confirms, and the next ``propose`` feeds the
+tokens it has not seen (the pending token, and after a full acceptance the
+last drafted one too) in one call.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from rlxrt.backends import CompiledGraph, compile
+from rlxrt.config import Config
+from rlxrt.errors import GenerationError
+from rlxrt.sampling import probs, sample
+from rlxrt.speculator import AcceptDecision, Context, DraftProposal, VerifyResult
+
+from .kv import KVModel
+from .text import codec_for
+
+
+def check_same_vocabulary(target: KVModel, draft: KVModel) -> None:
+    tv, dv = target.vocab_size, draft.vocab_size
+    if tv != dv:
+        raise GenerationError(
+            f"draft and target vocabularies differ: target has {tv} tokens, draft has {dv}; "
+            "use a draft trained with the target's tokenizer"
+        )
+    t_codec, d_codec = codec_for(target.graph), codec_for(draft.graph)
+    if t_codec is not None and d_codec is not None and t_codec.vocab() != d_codec.vocab():
+        a, b = t_codec.vocab(), d_codec.vocab()
+        diff = sorted(set(a.items()) ^ set(b.items()))[:3]
+        raise GenerationError(
+            f"draft and target tokenizers differ (target {len(a)} tokens, draft {len(b)}; e.g. {diff}); "
+            "use a draft trained with the target's tokenizer"
+        )
+
+
+class DraftModel:
+    name = "draft-model"
+    default_k = 4
+
+    def __init__(self, draft: str | os.PathLike | CompiledGraph, config: Config | None = None):
+        graph = draft if isinstance(draft, CompiledGraph) else compile(draft, config)
+        self.model = KVModel(graph)
+
+    @property
+    def providers(self) -> list[str]:
+        return self.model.providers
+
+    @property
+    def run_seconds(self) -> float:
+        return self.model.run_seconds
+
+    def bind(self, target: KVModel) -> None:
+        check_same_vocabulary(target, self.model)
+
+    def reset(self) -> None:
+        self.model.reset()
+
+    def propose(self, ctx: Context, k: int) -> DraftProposal:
+        m = self.model
+        k = min(k, m.max_positions - len(ctx.tokens))
+        if k <= 0:
+            return DraftProposal(np.zeros(0, np.int64))
+        logits = m.forward(ctx.tokens[m.length:])[-1]
+        tokens = np.empty(k, np.int64)
+        greedy = ctx.params.greedy
+        rows = None if greedy else np.empty((k, m.vocab_size))
+        for i in range(k):
+            if greedy:
+                x = int(logits.argmax())
+            else:
+                rows[i] = probs(logits, ctx.params)[0]
+                x = sample(rows[i], ctx.rng)
+            tokens[i] = x
+            if i + 1 < k:
+                logits = m.forward((x,))[0]
+        return DraftProposal(tokens, rows)
+
+    def commit(self, ctx: Context, decision: AcceptDecision, verify: VerifyResult) -> None:
+        self.model.commit(len(ctx.tokens) - 1)

@@ -1,0 +1,79 @@
+"""A compiled decoder graph with its KV cache: feeds by name, rollback by length.
+
+The cache is the list of ``present`` arrays the last run returned. Rolling
+back is moving ``length``: the next run is fed the views ``t[:, :, :length]``
+(no copy of the cache beyond what ORT itself makes of a non-contiguous input).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from rlxrt.backends import CompiledGraph
+from rlxrt.errors import GenerationError, ModelFormatError
+
+
+class KVModel:
+    def __init__(self, graph: CompiledGraph):
+        m = graph.manifest
+        if m is None:
+            raise ModelFormatError(
+                f"{graph.path} has no rlxrt.json next to it; sessions run model directories made by "
+                "`rlxrt export`, not bare .onnx files"
+            )
+        if m.kv_cache is None:
+            raise ModelFormatError(f"{graph.path}: the manifest declares no KV cache; re-export the model")
+        self.graph, self.manifest = graph, m
+        self._run = graph.session.run
+        kv = m.kv_cache
+        names = [kv.names(i) for i in range(kv.layers)]
+        self.past_names = [n for layer in names for n in layer[:2]]
+        self.output_names = [m.outputs["logits"]] + [n for layer in names for n in layer[2:]]
+        missing = [n for n in self.past_names + [m.inputs["input_ids"]] if n not in graph.input_names]
+        if missing:
+            raise ModelFormatError(f"{graph.path}: the manifest names inputs {missing} the graph does not have")
+        self.ids_name = m.inputs["input_ids"]
+        self.mask_name = m.inputs.get("attention_mask")
+        self.pos_name = m.inputs.get("position_ids")
+        self.vocab_size = m.vocab_size
+        self.max_positions = m.max_positions
+        self._ones = np.ones((1, m.max_positions), np.int64)
+        self._positions = np.arange(m.max_positions, dtype=np.int64)[None]
+        self._empty = np.zeros((1, kv.kv_heads, 0, kv.head_dim), np.dtype(kv.dtype))
+        self.run_seconds = 0.0
+        self.reset()
+
+    @property
+    def providers(self) -> list[str]:
+        return self.graph.providers
+
+    def reset(self) -> None:
+        self.length = 0
+        self.cache = [self._empty] * len(self.past_names)
+
+    def forward(self, tokens) -> np.ndarray:
+        """Feed ``tokens`` after the first ``length`` cached ones; returns their logits [s, V]."""
+        ids = np.asarray(tokens, dtype=np.int64).reshape(1, -1)
+        s, start = ids.shape[1], self.length
+        end = start + s
+        if end > self.max_positions:
+            raise GenerationError(f"sequence of {end} tokens exceeds the model's max positions "
+                                  f"({self.max_positions})")
+        feeds = {self.ids_name: ids}
+        if self.mask_name:
+            feeds[self.mask_name] = self._ones[:, :end]
+        if self.pos_name:
+            feeds[self.pos_name] = self._positions[:, start:end]
+        for name, t in zip(self.past_names, self.cache):
+            feeds[name] = t if t.shape[2] == start else t[:, :, :start]
+        t0 = time.perf_counter()
+        out = self._run(self.output_names, feeds)
+        self.run_seconds += time.perf_counter() - t0
+        self.cache = out[1:]
+        self.length = end
+        return out[0][0]
+
+    def commit(self, length: int) -> None:
+        """Keep only the first ``length`` cached positions (a rollback is moving this number)."""
+        self.length = min(self.length, length)
