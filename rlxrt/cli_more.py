@@ -29,6 +29,61 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prompt(args: argparse.Namespace) -> str:
+    from .errors import GenerationError
+
+    if args.prompt is not None and args.prompt_file is not None:
+        raise GenerationError("pass either --prompt or --prompt-file, not both")
+    if args.prompt_file is not None:
+        if args.prompt_file == "-":
+            return sys.stdin.read()
+        try:
+            with open(args.prompt_file, encoding="utf-8") as fh:
+                return fh.read()
+        except OSError as exc:
+            raise GenerationError(f"cannot read --prompt-file {args.prompt_file!r}: {exc.strerror}") from None
+    if args.prompt is None:
+        raise GenerationError("no prompt: pass --prompt TEXT or --prompt-file FILE (- for stdin)")
+    return args.prompt
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .cli import _config
+    from .errors import GenerationError
+    from .sessions import DraftModel, PromptLookup, Session
+
+    prompt = _prompt(args)
+    config = _config(args)
+    if args.draft and args.speculator not in (None, "draft"):
+        raise GenerationError(f"--draft and --speculator {args.speculator} exclude each other")
+    if args.draft:
+        draft_config = config.with_overrides(providers=args.draft_providers) if args.draft_providers else config
+        spec = DraftModel(args.draft, draft_config)
+    elif args.speculator == "prompt-lookup":
+        spec = PromptLookup()
+    elif args.speculator == "draft":
+        raise GenerationError("--speculator draft needs --draft DIR")
+    else:
+        spec = None
+    session = Session(args.target, spec, config, k=args.k, adaptive_k=args.adaptive_k)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                  top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    if args.json:
+        g = session.generate(prompt, **kwargs)
+        json.dump({"text": g.text, "token_ids": g.token_ids, "finish_reason": g.finish_reason,
+                   "stop_reason": g.stop_reason, "prompt_tokens": len(g.prompt_token_ids),
+                   "stats": g.stats.to_dict()}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    for piece in session.stream(prompt, **kwargs):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    g = session.last
+    print(f"[{g.finish_reason}] {g.stats.summary()}; providers {g.stats.providers}", file=sys.stderr)
+    return 0
+
+
 def add_commands(add, runtime_flags) -> None:
     """Register the remaining sub-commands on the parser (see rlxrt.cli)."""
     p = add("export", cmd_export, "export a Hugging Face causal LM to an ONNX model directory with a KV cache")
@@ -41,3 +96,23 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("--atol", type=float, help="validation tolerance (max abs logit diff, scaled by max |logit|)")
     p.add_argument("--quiet", action="store_true", help="no step report")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+    p = add("generate", cmd_generate, "generate text with a target model, sped up by a draft or prompt lookup")
+    p.add_argument("--target", required=True, help="target model directory (made by `rlxrt export`)")
+    p.add_argument("--draft", help="draft model directory (same tokenizer as the target)")
+    p.add_argument("--speculator", choices=["draft", "prompt-lookup", "none"],
+                   help="what drafts tokens (default: the --draft model if given, else none = plain decoding)")
+    p.add_argument("-k", type=int, help="tokens drafted per round, 1..32 (default 4)")
+    p.add_argument("--adaptive-k", action="store_true", help="grow k after full acceptance, shrink after rejection")
+    p.add_argument("--prompt", help="the prompt text")
+    p.add_argument("--prompt-file", help="read the prompt from a file (- for stdin)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    p.add_argument("--draft-providers", help="providers for the draft model (default: as the target)")
+    runtime_flags(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
