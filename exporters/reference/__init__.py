@@ -1,0 +1,10 @@
+"""The recipe of rlxrt's shipped reference pair: a small Llama target and a distilled draft,
+trained on the Python standard library that ships with the interpreter.
+
+    python -m rlxrt.exporters.reference.corpus     WORK   # split + tokenizer
+    python -m rlxrt.exporters.reference.train target WORK --steps N
+    python -m rlxrt.exporters.reference.train draft  WORK --steps N   # distils from the target
+    python -m rlxrt.exporters.reference.build WORK                     # export + install into rlxrt/assets
+
+See README "The reference pair" for seeds, sizes and timings.
+"""
