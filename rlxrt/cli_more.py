@@ -84,6 +84,82 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pair(args: argparse.Namespace):
+    from pathlib import Path
+
+    from .assets import reference_pair
+    from .errors import GenerationError
+
+    if args.target and args.draft:
+        return Path(args.target), Path(args.draft)
+    if args.target or args.draft:
+        raise GenerationError("pass both --target and --draft, or neither (to use the shipped reference pair)")
+    return reference_pair()
+
+
+def _prompts(args: argparse.Namespace, n: int) -> list[str]:
+    from .assets import reference_prompts
+    from .errors import GenerationError
+
+    if getattr(args, "prompt_file", None):
+        import json
+
+        with open(args.prompt_file, encoding="utf-8") as fh:
+            data = json.load(fh) if args.prompt_file.endswith(".json") else [fh.read()]
+        prompts = [p["prompt"] if isinstance(p, dict) else p for p in data]
+    else:
+        prompts = reference_prompts()
+    if not prompts:
+        raise GenerationError("no prompts: pass --prompt-file (a text file, or a JSON list of strings)")
+    return prompts[:n]
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    target, draft = _pair(args)
+    prompts = _prompts(args, args.prompt_index + 1)
+    prompt = prompts[min(args.prompt_index, len(prompts) - 1)]
+    run_demo(target, draft, prompt, max_new_tokens=args.max_new_tokens, k=args.k, threads=args.threads,
+             repeats=args.repeats)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .bench import format_table, run_bench, write_outputs
+
+    target, draft = _pair(args)
+    prompts = _prompts(args, args.prompts)
+    hf = None
+    if not args.no_hf:
+        hf_target = Path(args.hf_target) if args.hf_target else None
+        hf_draft = Path(args.hf_draft) if args.hf_draft else None
+        if hf_target is None and not args.target:
+            from .assets import REFERENCE
+
+            weights = REFERENCE.parent.parent.parent / "exporters" / "reference" / "weights"
+            if (weights / "target").is_dir():
+                hf_target, hf_draft = weights / "target", weights / "draft"
+        if hf_target and hf_draft:
+            try:
+                import torch  # noqa: F401
+                import transformers  # noqa: F401
+
+                hf = (hf_target, hf_draft)
+            except ImportError:
+                print("rlxrt: torch/transformers not installed; skipping the Hugging Face peers", file=sys.stderr)
+    temps = [float(t) for t in args.temperatures.split(",")]
+    ks = [int(k) for k in args.ks.split(",")]
+    res = run_bench(target, draft, prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                    temperatures=temps, ks=ks, threads=args.threads, hf_dirs=hf, progress=not args.quiet)
+    js, png = write_outputs(res, Path(args.out))
+    print(format_table(res))
+    print(f"wrote {js}" + (f" and {png}" if png else " (no PNG: matplotlib is not installed)"))
+    return 0
+
+
 def add_commands(add, runtime_flags) -> None:
     """Register the remaining sub-commands on the parser (see rlxrt.cli)."""
     p = add("export", cmd_export, "export a Hugging Face causal LM to an ONNX model directory with a KV cache")
@@ -116,3 +192,29 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("--draft-providers", help="providers for the draft model (default: as the target)")
     runtime_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+
+    p = add("demo", cmd_demo, "stream a completion with the shipped reference pair and show the speedup")
+    p.add_argument("--target", help="target model directory (default: the shipped reference target)")
+    p.add_argument("--draft", help="draft model directory (default: the shipped reference draft)")
+    p.add_argument("--prompt-file", help="a text file, or a JSON list of prompts (default: held-out prompts)")
+    p.add_argument("--prompt-index", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("-k", type=int, default=4, help="tokens drafted per round")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads for both models")
+    p.add_argument("--repeats", type=int, default=3, help="side-by-side timing repeats")
+
+    p = add("bench", cmd_bench, "benchmark plain vs speculative decoding (and peers) on held-out prompts")
+    p.add_argument("--target", help="target model directory (default: the shipped reference target)")
+    p.add_argument("--draft", help="draft model directory (default: the shipped reference draft)")
+    p.add_argument("--prompt-file", help="a text file, or a JSON list of prompts (default: held-out prompts)")
+    p.add_argument("--prompts", type=int, default=8, help="number of prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--temperatures", default="0,0.7")
+    p.add_argument("--ks", default="2,4,6", help="draft lengths to try")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--hf-target", help="Hugging Face weights of the target, for the transformers peers")
+    p.add_argument("--hf-draft", help="Hugging Face weights of the draft")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
+    p.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -1,0 +1,85 @@
+"""Export the trained reference pair and install it as rlxrt's shipped assets.
+
+    python -m rlxrt.exporters.reference.build WORK
+
+Writes rlxrt/assets/reference/{target,draft} (ONNX, manifest, tokenizer),
+rlxrt/assets/reference/prompts.json (held-out prompts) and recipe.json (the
+training summary), and the fp16 torch weights to exporters/reference/weights
+(for the Hugging Face peers of ``rlxrt bench``; not part of the wheel).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from .corpus import is_held_out, stdlib_files
+
+HERE = Path(__file__).resolve().parent
+ASSETS = HERE.parent.parent / "rlxrt" / "assets" / "reference"
+WEIGHTS = HERE / "weights"
+PROMPT_CHARS = 480
+
+
+def held_out_prompts(n: int = 16) -> list[dict]:
+    """Deterministic prompts: in each held-out file, the text before the middle of its second function."""
+    out = []
+    for rel, path in stdlib_files():
+        if not is_held_out(rel):
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        starts = [i for i in range(len(text)) if text.startswith("\ndef ", i) or text.startswith("\n    def ", i)]
+        if len(starts) < 2:
+            continue
+        start = starts[1] + 1
+        body_end = text.find("\n", start + PROMPT_CHARS // 2)
+        if body_end < 0:
+            continue
+        cut = max(0, body_end - PROMPT_CHARS)
+        cut = text.find("\n", cut) + 1
+        out.append({"file": rel, "prompt": text[cut:body_end + 1]})
+        if len(out) == n:
+            break
+    return out
+
+
+def _summary(work: Path, role: str) -> dict:
+    recs = [json.loads(line) for line in (work / f"{role}.log.jsonl").read_text().splitlines()]
+    evals = [r for r in recs if "heldout_loss" in r]
+    last = recs[-1]
+    return {"steps": last["step"], "tokens": last["tokens"], "train_seconds": last["elapsed_s"],
+            "final_train_loss": last["loss"], "heldout_loss": evals[-1]["heldout_loss"] if evals else None}
+
+
+def main(work_dir: str) -> None:
+    import torch
+
+    import rlxrt
+
+    work = Path(work_dir)
+    ASSETS.mkdir(parents=True, exist_ok=True)
+    for role in ("target", "draft"):
+        src = work / role
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy2(work / "tokenizer" / f, src / f)
+        res = rlxrt.export(src, ASSETS / role, force=True, report=lambda s: print(f"  {role} {s}"))
+        print(f"{role}: validation {res.manifest.validation}")
+        # the fp16 weights-only checkpoint, for the torch peers and for resuming the recipe
+        import transformers as tf
+
+        model = tf.LlamaForCausalLM.from_pretrained(str(src), dtype=torch.float16)
+        (WEIGHTS / role).mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(str(WEIGHTS / role))
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy2(work / "tokenizer" / f, WEIGHTS / role / f)
+    (ASSETS / "prompts.json").write_text(json.dumps(held_out_prompts(), indent=1) + "\n")
+    (ASSETS / "recipe.json").write_text(json.dumps(
+        {"target": _summary(work, "target"), "draft": _summary(work, "draft"),
+         "corpus": "Python stdlib *.py (tests, site-packages excluded), held out by sha256(path)[0] < 13",
+         "python": sys.version.split()[0]}, indent=1) + "\n")
+    print(f"installed into {ASSETS}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,201 @@
+"""``rlxrt bench``: plain vs speculative decoding (and peers) on held-out prompts, side by side.
+
+Every configuration runs each prompt in every repeat, in an order rotated per
+repeat, so that machine noise hits all of them alike; figures are medians and
+speedups are ratios of times measured next to each other.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+
+@dataclass
+class Spec:
+    name: str
+    make: Callable[[], Any]
+    """Builds the speculator (None for plain decoding)."""
+    k: int | None = None
+    adaptive: bool = False
+
+
+class Progress:
+    """A one-line progress bar on stderr (no dependency)."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        self.total, self.done, self.enabled, self.t0 = total, 0, enabled and total > 0, time.perf_counter()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        frac = self.done / self.total
+        bar = "#" * int(30 * frac)
+        eta = (time.perf_counter() - self.t0) / self.done * (self.total - self.done)
+        sys.stderr.write(f"\r[{bar:<30}] {self.done}/{self.total} {label[:28]:<28} eta {eta:4.0f} s")
+        if self.done == self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def analytic_speedup(alpha: float, k: int, t_draft: float, t1: float, tk: float) -> float:
+    """Expected speedup with i.i.d. acceptance alpha: E[tokens/round] * T(1) / (k T_draft + T(k+1))."""
+    if k == 0:
+        return 1.0
+    expected = (k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return expected * t1 / (k * t_draft + tk)
+
+
+def step_times(target, draft, ks: list[int], context: int, repeats: int = 25) -> dict[str, float]:
+    """Median seconds of one draft step, one target step, and a target pass over k+1 tokens."""
+    import numpy as np
+
+    def med(model, s: int) -> float:
+        ts = []
+        model.reset()
+        model.forward(np.arange(context) % model.vocab_size)
+        for _ in range(repeats):
+            model.commit(context)
+            t0 = time.perf_counter()
+            model.forward(np.arange(s) % model.vocab_size)
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    out = {"target_1": med(target, 1)}
+    if draft is not None:
+        out["draft_1"] = med(draft, 1)
+    for k in ks:
+        out[f"target_{k + 1}"] = med(target, k + 1)
+    return out
+
+
+def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, max_new_tokens: int = 128,
+              repeats: int = 3, temperatures=(0.0, 0.7), ks=(2, 4, 6), threads: int = 1,
+              hf_dirs: tuple[Path, Path] | None = None, progress: bool = True) -> dict[str, Any]:
+    from .config import Config
+    from .sessions import DraftModel, PromptLookup, Session
+
+    config = Config(intra_op_threads=threads, providers=("cpu",))
+    from .backends import compile
+
+    target_graph = compile(target_dir, config)
+    draft_graph = compile(draft_dir, config) if draft_dir else None
+    specs = [Spec("plain", lambda: None)]
+    if draft_graph is not None:
+        specs += [Spec(f"draft k={k}", lambda: DraftModel(draft_graph), k=k) for k in ks]
+        specs.append(Spec("draft adaptive", lambda: DraftModel(draft_graph), k=max(ks) // 2 or 1, adaptive=True))
+    specs.append(Spec("prompt lookup k=4", lambda: PromptLookup(), k=4))
+    sessions = {s.name: Session(target_graph, s.make(), k=s.k, adaptive_k=s.adaptive, k_max=max(ks) + 2)
+                for s in specs}
+    hf = None
+    if hf_dirs is not None:
+        from .exporters.peers import HFPeers
+
+        hf = HFPeers(hf_dirs[0], hf_dirs[1], threads=threads)
+    names = list(sessions) + (hf.names if hf else [])
+    total = len(temperatures) * repeats * len(prompts) * len(names)
+    bar = Progress(total, progress)
+    results: dict[str, Any] = {"config": {"target": str(target_dir), "draft": str(draft_dir) if draft_dir else None,
+                                          "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+                                          "repeats": repeats, "threads": threads, "ks": list(ks)},
+                               "temperatures": {}}
+    for s in sessions.values():  # warm-up: first runs allocate
+        s.generate(prompts[0], max_new_tokens=8, ignore_eos=True)
+    for temp in temperatures:
+        times: dict[str, list[list[float]]] = {n: [[] for _ in prompts] for n in names}
+        stats: dict[str, list] = {n: [] for n in names}
+        for rep in range(repeats):
+            order = names[rep % len(names):] + names[:rep % len(names)]
+            for pi, prompt in enumerate(prompts):
+                for name in order:
+                    if name in sessions:
+                        t0 = time.perf_counter()
+                        g = sessions[name].generate(prompt, max_new_tokens=max_new_tokens, temperature=temp,
+                                                    seed=rep * 1000 + pi, ignore_eos=True)
+                        dt = time.perf_counter() - t0
+                        times[name][pi].append(dt / max(1, len(g.token_ids)))
+                        stats[name].append(g.stats)
+                    else:
+                        dt, n_tok = hf.run(name, prompt, max_new_tokens, temp, seed=rep * 1000 + pi)
+                        times[name][pi].append(dt / max(1, n_tok))
+                    bar.step(f"T={temp} {name}")
+        results["temperatures"][str(temp)] = _summarise(names, times, stats)
+    draft_model = sessions[specs[1].name].speculator.model if draft_graph is not None else None
+    context = min(256, sessions["plain"].manifest.max_positions - max(ks) - 2)
+    st = step_times(sessions["plain"].target, draft_model, list(ks), context=context)
+    results["config"]["step_time_context"] = context
+    results["step_times_s"] = st
+    for temp_res in results["temperatures"].values():
+        for name, row in temp_res.items():
+            k = next((s.k for s in specs if s.name == name and s.k and not s.adaptive), None)
+            if k and "draft" in name and draft_model is not None:
+                bound = analytic_speedup(row["acceptance_rate"], k, st["draft_1"], st["target_1"],
+                                         st[f"target_{k + 1}"])
+                row["analytic_bound"] = round(bound, 3)
+                row["efficiency"] = round(row["speedup"] / bound, 3) if bound else None
+    return results
+
+
+def _summarise(names, times, stats) -> dict[str, Any]:
+    out = {}
+    base = times["plain"]
+    for name in names:
+        per_tok = [t for row in times[name] for t in row]
+        ratios = [b / t for brow, trow in zip(base, times[name]) for b, t in zip(brow, trow)]
+        row: dict[str, Any] = {"tokens_per_s": round(1.0 / statistics.median(per_tok), 1),
+                               "speedup": round(statistics.median(ratios), 3)}
+        if stats[name]:
+            from .stats import RequestStats
+
+            tot = RequestStats()
+            for s in stats[name]:
+                tot.add(s)
+            d = tot.to_dict()
+            row.update({key: d[key] for key in ("acceptance_rate", "mean_accepted_length", "tokens_per_round",
+                                                "accepted_per_position", "drafted_per_position",
+                                                "python_overhead_share")})
+            dec = tot.decode_seconds or 1.0
+            row["time_split"] = {"draft": round(tot.draft_seconds / dec, 3),
+                                 "target": round(tot.target_seconds / dec, 3),
+                                 "other": round(tot.overhead_seconds / dec, 3)}
+        out[name] = row
+    return out
+
+
+def format_table(results: dict[str, Any]) -> str:
+    lines = []
+    for temp, rows in results["temperatures"].items():
+        lines.append(f"temperature {temp}")
+        lines.append(f"  {'config':<20} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/rnd':>8} "
+                     f"{'bound':>6} {'eff':>5}  split d/t/o")
+        for name, r in rows.items():
+            split = r.get("time_split")
+            lines.append(
+                f"  {name:<20} {r['tokens_per_s']:>8.1f} {r['speedup']:>7.2f}x "
+                f"{r.get('acceptance_rate', float('nan')):>7.2f} {r.get('tokens_per_round', float('nan')):>8.2f} "
+                f"{r.get('analytic_bound', float('nan')):>6.2f} {r.get('efficiency', float('nan')):>5.2f}  "
+                + (f"{split['draft']:.2f}/{split['target']:.2f}/{split['other']:.2f}" if split else "-"))
+    st = results.get("step_times_s", {})
+    if st:
+        parts = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in st.items())
+        lines.append(f"step times (median, context {results['config'].get('step_time_context')}): {parts}")
+    return "\n".join(lines)
+
+
+def write_outputs(results: dict[str, Any], out_dir: Path) -> tuple[Path, Path | None]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    js = out_dir / "bench.json"
+    js.write_text(json.dumps(results, indent=2) + "\n")
+    png = None
+    try:
+        from .chart import bench_chart
+
+        png = bench_chart(results, out_dir / "bench.png")
+    except ImportError:
+        pass
+    return js, png
