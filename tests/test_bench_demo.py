@@ -1,13 +1,10 @@
-"""rlxrt bench and rlxrt demo as commands (no speed assertions), and the shipped reference pair."""
+"""rlxrt bench as a command on a tiny random pair (no speed assertions)."""
 import json
 import os
 import subprocess
 import sys
 
 import pytest
-
-from rlxrt import Config, Manifest
-from rlxrt.assets import REFERENCE, reference_pair, reference_prompts
 
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("RLXRT_")}
 
