@@ -87,7 +87,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _pair(args: argparse.Namespace):
     from pathlib import Path
 
-    from .assets import reference_pair
+    from .reference import reference_pair
     from .errors import GenerationError
 
     if args.target and args.draft:
@@ -98,7 +98,7 @@ def _pair(args: argparse.Namespace):
 
 
 def _prompts(args: argparse.Namespace, n: int) -> list[str]:
-    from .assets import reference_prompts
+    from .reference import reference_prompts
     from .errors import GenerationError
 
     if getattr(args, "prompt_file", None):
@@ -137,7 +137,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         hf_target = Path(args.hf_target) if args.hf_target else None
         hf_draft = Path(args.hf_draft) if args.hf_draft else None
         if hf_target is None and not args.target:
-            from .assets import REFERENCE
+            from .reference import REFERENCE
 
             weights = REFERENCE.parent.parent.parent / "exporters" / "reference" / "weights"
             if (weights / "target").is_dir():

@@ -153,7 +153,7 @@ class Session:
         finish, reason = "cancelled", None
         run0 = target.run_seconds + getattr(spec, "run_seconds", 0.0)
         paused = 0.0
-        t_start = time.perf_counter()
+        t_start = t_decode = time.perf_counter()
         try:
             target.reset()
             if spec is not None:
@@ -227,7 +227,7 @@ class Session:
             raise GenerationError(f"generation failed: {type(exc).__name__}: {exc}") from exc
         finally:
             end = time.perf_counter()
-            stats.decode_seconds = max(0.0, end - t_decode - paused) if "t_decode" in locals() else 0.0
+            stats.decode_seconds = max(0.0, end - t_decode - paused)
             stats.run_seconds = target.run_seconds + getattr(spec, "run_seconds", 0.0) - run0
             out = ctx.tokens[prompt_len:]
             stats.emitted = len(out)
