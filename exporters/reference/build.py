@@ -14,7 +14,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from .corpus import is_held_out, stdlib_files
+from .corpus import evaluation_files
 
 HERE = Path(__file__).resolve().parent
 ASSETS = HERE.parent.parent / "rlxrt" / "assets" / "reference"
@@ -25,9 +25,7 @@ PROMPT_CHARS = 480
 def held_out_prompts(n: int = 16) -> list[dict]:
     """Deterministic prompts: in each held-out file, the text before the middle of its second function."""
     out = []
-    for rel, path in stdlib_files():
-        if not is_held_out(rel):
-            continue
+    for rel, path in evaluation_files():
         text = path.read_text(encoding="utf-8", errors="replace")
         starts = [i for i in range(len(text)) if text.startswith("\ndef ", i) or text.startswith("\n    def ", i)]
         if len(starts) < 2:
@@ -73,9 +71,16 @@ def main(work_dir: str) -> None:
         model.save_pretrained(str(WEIGHTS / role))
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy2(work / "tokenizer" / f, WEIGHTS / role / f)
+    from rlxrt.bench import heldout_loss
+
+    texts = [p.read_text(encoding="utf-8") for _, p in evaluation_files()]
+    losses = {role: heldout_loss(ASSETS / role, texts) for role in ("target", "draft")}
+    print(f"held-out loss (rlxrt, {losses['target']['tokens']} tokens): target {losses['target']['loss']:.3f}, "
+          f"draft {losses['draft']['loss']:.3f}")
     (ASSETS / "prompts.json").write_text(json.dumps(held_out_prompts(), indent=1) + "\n")
     (ASSETS / "recipe.json").write_text(json.dumps(
-        {"target": _summary(work, "target"), "draft": _summary(work, "draft"),
+        {"target": _summary(work, "target"), "draft": _summary(work, "draft"), "heldout_loss_rlxrt": losses,
+         "heldout_files": [rel for rel, _ in evaluation_files()],
          "corpus": "Python stdlib *.py (tests, site-packages excluded), held out by sha256(path)[0] < 13",
          "python": sys.version.split()[0]}, indent=1) + "\n")
     print(f"installed into {ASSETS}")
