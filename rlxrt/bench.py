@@ -212,6 +212,7 @@ def heldout_loss(model_dir: Path, texts: list[str], window: int = 512, threads: 
 
     graph = compile(model_dir, Config(intra_op_threads=threads, cache=False))
     model, codec = KVModel(graph), codec_for(graph)
+    window = min(window, model.max_positions)
     total, count = 0.0, 0
     for text in texts:
         ids = np.asarray(codec.encode(text), np.int64)
