@@ -226,4 +226,4 @@ def heldout_loss(model_dir: Path, texts: list[str], window: int = 512, threads: 
             logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
             total -= logp[np.arange(len(chunk) - 1), chunk[1:]].sum()
             count += len(chunk) - 1
-    return {"loss": total / max(1, count), "tokens": count}
+    return {"loss": float(total / max(1, count)), "tokens": int(count)}
