@@ -52,21 +52,22 @@ def make_rng(seed: int | None) -> np.random.Generator:
 
 def probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Rows of logits [n, V] -> rows of probabilities [n, V] (float64) after the transforms."""
-    x = np.asarray(logits, dtype=np.float64)
+    x = np.asarray(logits)
     if x.ndim == 1:
         x = x[None]
     if params.greedy:
-        out = np.zeros_like(x)
+        out = np.zeros(x.shape, np.float64)
         out[np.arange(x.shape[0]), x.argmax(-1)] = 1.0
         return out
-    x = x / params.temperature
+    # exp in float32 (4x faster than float64 in numpy; relative error ~1e-7), sums in float64
+    x = x.astype(np.float32) * np.float32(1.0 / params.temperature)  # a fresh array: work in place below
     v = x.shape[-1]
     if 0 < params.top_k < v:
         kth = np.partition(x, v - params.top_k, axis=-1)[:, v - params.top_k][:, None]
-        x = np.where(x < kth, -np.inf, x)
-    x = x - x.max(-1, keepdims=True)
-    e = np.exp(x)
-    p = e / e.sum(-1, keepdims=True)
+        x[x < kth] = -np.inf
+    x -= x.max(-1, keepdims=True)
+    p = np.exp(x, out=x).astype(np.float64)
+    p /= p.sum(-1, keepdims=True)
     if params.top_p < 1.0:
         order = np.argsort(-p, axis=-1, kind="stable")
         sorted_p = np.take_along_axis(p, order, -1)
@@ -81,6 +82,6 @@ def probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
     """One draw from a probability row [V] by inverting its CDF."""
-    c = np.cumsum(p)
-    i = int(np.searchsorted(c, rng.random() * c[-1], side="right"))
-    return min(i, p.shape[0] - 1)
+    c = p.cumsum()
+    i = int(c.searchsorted(rng.random() * c[-1], side="right"))
+    return i if i < p.shape[0] else p.shape[0] - 1

@@ -162,6 +162,7 @@ class Session:
                 target.forward(ctx.tokens[:-1])
             t_decode = time.perf_counter()
             stats.prefill_seconds = t_decode - t_start
+            run0 = target.run_seconds + getattr(spec, "run_seconds", 0.0)  # decode only, like decode_seconds
             greedy = ctx.params.greedy
             k_now = k
             while True:
