@@ -199,7 +199,7 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("--prompt-file", help="a text file, or a JSON list of prompts (default: held-out prompts)")
     p.add_argument("--prompt-index", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("-k", type=int, default=4, help="tokens drafted per round")
+    p.add_argument("-k", type=int, default=None, help="tokens drafted per round (default: the draft's default, 4)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads for both models")
     p.add_argument("--repeats", type=int, default=3, help="side-by-side timing repeats")
 

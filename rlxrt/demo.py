@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TextIO
 
 
-def run_demo(target: Path, draft: Path, prompt: str, *, max_new_tokens: int = 128, k: int = 4, threads: int = 1,
+def run_demo(target: Path, draft: Path, prompt: str, *, max_new_tokens: int = 128, k: int | None = None, threads: int = 1,
              repeats: int = 3, out: TextIO = sys.stdout) -> dict:
     from .backends import compile
     from .config import Config
@@ -21,11 +21,12 @@ def run_demo(target: Path, draft: Path, prompt: str, *, max_new_tokens: int = 12
     spec = Session(target_graph, DraftModel(draft, config), k=k)
     plain = Session(target_graph)
     load_s = time.perf_counter() - t0
+    k = spec.k
     tm, dm = spec.manifest, spec.speculator.model.manifest
     dim, bold, reset = ("\033[2m", "\033[1m", "\033[0m") if out.isatty() else ("", "", "")
     out.write(f"{bold}rlxrt demo{reset}: target {tm.kv_cache.layers}-layer {tm.architecture}, draft "
               f"{dm.kv_cache.layers}-layer, k={k}, {threads} thread(s), loaded in {load_s:.2f} s\n\n")
-    tail = "\n".join(prompt.rstrip("\n").splitlines()[-6:]) + "\n"
+    tail = "\n".join(prompt.splitlines()[-6:]) + ("\n" if prompt.endswith("\n") else "")
     out.write(dim + tail + reset)
     out.flush()
     for piece in spec.stream(prompt, max_new_tokens=max_new_tokens):
