@@ -10,6 +10,7 @@ training summary), and the fp16 torch weights to exporters/reference/weights
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -20,10 +21,16 @@ HERE = Path(__file__).resolve().parent
 ASSETS = HERE.parent.parent / "rlxrt" / "assets" / "reference"
 WEIGHTS = HERE / "weights"
 PROMPT_CHARS = 480
+FIRST_WORD = re.compile(r"(?:[ \t]*\n)*[ \t]*(?:\w+|\S+)")
 
 
 def held_out_prompts(n: int = 16) -> list[dict]:
-    """Deterministic prompts: in each held-out file, the text before the middle of its second function."""
+    """Deterministic prompts: in each held-out file, the text up to the middle of its second function.
+
+    A prompt ends after the first word of a line, never on a line break: the
+    tokenizer merges a line break with the next line's indentation, so a
+    prompt ending in a bare break would tell the model "column 0 follows".
+    """
     out = []
     for rel, path in evaluation_files():
         text = path.read_text(encoding="utf-8", errors="replace")
@@ -34,9 +41,12 @@ def held_out_prompts(n: int = 16) -> list[dict]:
         body_end = text.find("\n", start + PROMPT_CHARS // 2)
         if body_end < 0:
             continue
+        word = FIRST_WORD.match(text, body_end + 1)
+        if word is None:
+            continue
         cut = max(0, body_end - PROMPT_CHARS)
         cut = text.find("\n", cut) + 1
-        out.append({"file": rel, "prompt": text[cut:body_end + 1]})
+        out.append({"file": rel, "prompt": text[cut:word.end()]})
         if len(out) == n:
             break
     return out
