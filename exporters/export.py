@@ -19,7 +19,7 @@ from rlxrt.errors import ExportError, RlxrtError
 from rlxrt.manifest import KVCacheLayout, Manifest
 
 from .deps import require_export_stack, versions
-from .source import TASK, check_architecture, read_config, resolve_source, weights_hash
+from .source import RECURRENT, TASK, check_architecture, read_config, resolve_source, weights_hash
 from .validate import TOLERANCE, reference_logits, validate
 from .variants import to_fp16, to_int8
 
@@ -27,6 +27,8 @@ GRAPH = "model.onnx"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json")
 DTYPES = {"fp32": "float32", "fp16": "float16"}
+RECURRENT_MAX_POSITIONS = 1 << 20
+"""A recurrent model has no position limit; this bounds a request all the same."""
 
 Runner = Callable[[Path], Callable[[dict], dict]]
 
@@ -61,12 +63,16 @@ def _prepare_out(out: Path, force: bool) -> None:
 
 
 def _load(torch, transformers, src: Path):
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # e.g. Mamba's "fast path is not available" (CUDA kernels)
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32,
                                                                   attn_implementation="eager")
     except Exception as exc:
         raise ExportError(f"cannot load the weights in {str(src)!r}: {type(exc).__name__}: "
                           f"{str(exc).splitlines()[0][:300]}; check the weight files are complete") from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
     return model.eval()
 
 
@@ -148,6 +154,18 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         model = steps.run("load", _load, torch, transformers, src_dir)
+        if model_type in RECURRENT:
+            final = steps.run("export", _recurrent_graph, torch, model, work, variant)
+            manifest = _recurrent_manifest(config, model, model_type, src, src_dir, transformers, final)
+            if validate_export:
+                from .mamba import validate_graph
+
+                record = steps.run("validate", validate_graph, torch, model, runner(final / GRAPH),
+                                   atol if atol is not None else TOLERANCE[variant])
+                _check_validation(record)
+                manifest = Manifest(**{**manifest.__dict__, "validation": record})
+            steps.run("write", _write, manifest, final, out, force)
+            return ExportResult(out, manifest, steps.seconds)
         raw = work / "raw"
         steps.run("export", _optimum_export, optimum_onnx, model, raw)
         final = work / "model"
@@ -177,12 +195,7 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
             record = steps.run("validate", _validate, torch, model, manifest, runner(final / GRAPH),
                                atol if atol is not None else TOLERANCE[variant])
             manifest = Manifest(**{**manifest.__dict__, "validation": record})
-            if not record["passed"]:
-                raise ExportError(
-                    f"validation failed: ORT and PyTorch logits differ by {record['max_abs_diff']:.3g} "
-                    f"(allowed {record['tolerance']:.3g}; argmax agreement {record['argmax_agreement']:.2f}); "
-                    "nothing was written. Pass a looser atol only if this variant is expected to drift"
-                )
+            _check_validation(record)
         steps.run("write", _write, manifest, final, out, force)
         return ExportResult(out, manifest, steps.seconds)
     except RlxrtError:
@@ -191,6 +204,43 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
         raise ExportError(f"export of {str(src)!r} failed: {type(exc).__name__}: {exc}") from exc
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _check_validation(record: dict) -> None:
+    if not record["passed"]:
+        raise ExportError(
+            f"validation failed: ORT and PyTorch differ by {record['max_abs_diff']:.3g} "
+            f"(allowed {record['tolerance']:.3g}; argmax agreement {record['argmax_agreement']:.2f}); "
+            "nothing was written. Pass a looser atol only if this variant is expected to drift"
+        )
+
+
+def _recurrent_graph(torch, model, work: Path, variant: str) -> Path:
+    from .mamba import export_graph
+
+    if variant != "float32":
+        raise ExportError(f"{model.config.model_type} exports in fp32 only for now (asked for {variant}); "
+                          "drop --dtype/--quantize")
+    final = work / "model"
+    final.mkdir()
+    export_graph(torch, model, final / GRAPH)
+    return final
+
+
+def _recurrent_manifest(config: dict, model, model_type: str, src, src_dir: Path, transformers,
+                        final: Path) -> Manifest:
+    from .mamba import state_layout
+
+    bos, eos, pad = _special_tokens(model)
+    return Manifest(
+        architecture=(config.get("architectures") or [type(model).__name__])[0], model_type=model_type,
+        vocab_size=int(model.config.vocab_size), max_positions=RECURRENT_MAX_POSITIONS, graph=GRAPH,
+        dtype="float32", inputs={"input_ids": "input_ids", "attention_mask": None, "position_ids": None},
+        outputs={"logits": "logits", "hidden_states": None}, kv_cache=None, state=state_layout(model.config),
+        bos_token_id=bos, eos_token_ids=eos, pad_token_id=pad,
+        tokenizer=_save_tokenizer(transformers, src_dir, final),
+        source={"path_or_id": str(src), "weights_sha256": weights_hash(src_dir), "task": "recurrent-with-states"},
+        versions=versions(), validation={"skipped": True})
 
 
 def _optimum_export(optimum_onnx, model, raw: Path) -> None:

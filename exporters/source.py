@@ -75,9 +75,15 @@ def supported_model_types() -> list[str]:
                   if TASK in by.get("onnx", {}))
 
 
+RECURRENT = ("mamba",)
+"""Recurrent architectures rlxrt exports itself (exporters/mamba.py), with per-position states."""
+
+
 def check_architecture(config: dict) -> str:
     model_type = config.get("model_type")
-    supported = supported_model_types()
+    if model_type in RECURRENT:
+        return model_type
+    supported = sorted(supported_model_types() + list(RECURRENT))
     if model_type not in supported:
         raise ExportError(
             f"unsupported architecture {model_type!r} ({', '.join(config.get('architectures') or []) or 'no class'}); "

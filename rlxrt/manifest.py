@@ -48,6 +48,29 @@ class KVCacheLayout:
 
 
 @dataclass(frozen=True)
+class StateTensor:
+    """One recurrent state tensor: fed before a call, returned after each fed position."""
+
+    input: str
+    """Graph input: the state before the first token of the call, shape ``shape``."""
+    output: str
+    """Graph output: the state after each token of the call, shape [s, *shape]."""
+    shape: tuple[int, ...]
+    """Shape of one state (e.g. [layers, 1, channels, state size])."""
+    dtype: str
+    """numpy dtype name."""
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Recurrent state (SSM / RNN) carried between calls instead of, or besides, a KV cache."""
+
+    tensors: tuple[StateTensor, ...]
+    max_tokens_per_call: int
+    """Longest input of one call (the graph's cost grows with its square); longer inputs go in chunks."""
+
+
+@dataclass(frozen=True)
 class Manifest:
     """Everything a session needs to run an exported graph."""
 
@@ -81,6 +104,8 @@ class Manifest:
     """Versions of the tools that made the export."""
     validation: dict[str, Any] = field(default_factory=dict)
     """Result of validating ORT against PyTorch (max abs diff, argmax agreement, tolerance)."""
+    state: StateLayout | None = None
+    """Recurrent state tensors, or None for a pure attention model."""
     schema: str = SCHEMA
 
     def to_dict(self) -> dict[str, Any]:
@@ -109,9 +134,14 @@ class Manifest:
         kv = data.get("kv_cache")
         try:
             data["kv_cache"] = KVCacheLayout(**kv) if kv is not None else None
+            st = data.get("state")
+            if st is not None:
+                tensors = tuple(StateTensor(t["input"], t["output"], tuple(int(d) for d in t["shape"]), t["dtype"])
+                                for t in st["tensors"])
+                data["state"] = StateLayout(tensors, int(st["max_tokens_per_call"]))
             data["eos_token_ids"] = tuple(int(t) for t in data.get("eos_token_ids") or ())
             manifest = cls(**data)
-        except TypeError as exc:
+        except (TypeError, KeyError) as exc:
             raise ModelFormatError(f"{where}: malformed manifest ({exc}); re-export the model") from None
         manifest.check(where)
         return manifest
@@ -139,6 +169,8 @@ class Manifest:
             raise ModelFormatError(f"{where}: inputs.input_ids is required")
         if not self.outputs.get("logits"):
             raise ModelFormatError(f"{where}: outputs.logits is required")
+        if self.kv_cache is None and self.state is None:
+            raise ModelFormatError(f"{where}: the manifest declares neither a KV cache nor recurrent state")
         for t in self.eos_token_ids:
             if not 0 <= t < self.vocab_size:
                 raise ModelFormatError(f"{where}: eos token id {t} is outside the vocabulary (size {self.vocab_size})")
