@@ -3,5 +3,6 @@ from .draft_model import DraftModel
 from .kv import KVModel
 from .prompt_lookup import PromptLookup
 from .session import Generation, Session
+from .state import StateModel, decoder_for
 
-__all__ = ["DraftModel", "Generation", "KVModel", "PromptLookup", "Session"]
+__all__ = ["DraftModel", "Generation", "KVModel", "PromptLookup", "Session", "StateModel", "decoder_for"]

@@ -19,10 +19,11 @@ from rlxrt.sampling import probs, sample
 from rlxrt.speculator import AcceptDecision, Context, DraftProposal, VerifyResult
 
 from .kv import KVModel
+from .state import StateModel, decoder_for
 from .text import codec_for
 
 
-def check_same_vocabulary(target: KVModel, draft: KVModel) -> None:
+def check_same_vocabulary(target: KVModel | StateModel, draft: KVModel | StateModel) -> None:
     tv, dv = target.vocab_size, draft.vocab_size
     if tv != dv:
         raise GenerationError(
@@ -45,7 +46,7 @@ class DraftModel:
 
     def __init__(self, draft: str | os.PathLike | CompiledGraph, config: Config | None = None):
         graph = draft if isinstance(draft, CompiledGraph) else compile(draft, config)
-        self.model = KVModel(graph)
+        self.model = decoder_for(graph)
 
     @property
     def providers(self) -> list[str]:
@@ -55,7 +56,7 @@ class DraftModel:
     def run_seconds(self) -> float:
         return self.model.run_seconds
 
-    def bind(self, target: KVModel) -> None:
+    def bind(self, target: KVModel | StateModel) -> None:
         check_same_vocabulary(target, self.model)
 
     def reset(self) -> None:

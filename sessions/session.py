@@ -22,7 +22,7 @@ from rlxrt.speculator import Context, DraftProposal, VerifyResult
 from rlxrt.stats import RequestStats
 from rlxrt.textstream import TextStream
 
-from .kv import KVModel
+from .state import decoder_for
 from .text import codec_for
 
 K_MAX = 32
@@ -56,7 +56,7 @@ class Session:
     def __init__(self, target: str | os.PathLike | CompiledGraph, speculator=None, config: Config | None = None,
                  *, k: int | None = None, adaptive_k: bool = False, k_max: int | None = None):
         graph = target if isinstance(target, CompiledGraph) else compile(target, config)
-        self.target = KVModel(graph)
+        self.target = decoder_for(graph)
         self.manifest = self.target.manifest
         self.codec = codec_for(graph)
         self.speculator = speculator

@@ -1,0 +1,100 @@
+"""A compiled recurrent graph (SSM / RNN) with its state: commit picks a per-position state.
+
+A recurrent state cannot be rolled back by length like a KV cache. The graph
+returns the state after EACH token it was fed (manifest ``state``), and this
+model keeps those states for every position since the last commit; a commit
+to length n selects the state after token n-1 and forgets the rest, so a
+rejected draft costs no re-run. Inputs longer than the graph's
+``max_tokens_per_call`` are fed in chunks.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from rlxrt.backends import CompiledGraph
+from rlxrt.errors import GenerationError, ModelFormatError
+
+from .kv import KVModel
+
+
+class StateModel:
+    def __init__(self, graph: CompiledGraph):
+        m = graph.manifest
+        if m is None or m.state is None:
+            raise ModelFormatError(f"{graph.path}: the manifest declares no recurrent state")
+        if m.kv_cache is not None:
+            raise ModelFormatError(f"{graph.path}: graphs with both a KV cache and recurrent state are not "
+                                   "supported yet; export the attention and recurrent parts separately")
+        self.graph, self.manifest = graph, m
+        self._run = graph.session.run
+        tensors = m.state.tensors
+        missing = [t.input for t in tensors if t.input not in graph.input_names]
+        missing += [t.output for t in tensors if t.output not in graph.output_names]
+        if missing:
+            raise ModelFormatError(f"{graph.path}: the manifest names state tensors {missing} the graph lacks")
+        self.ids_name = m.inputs["input_ids"]
+        self.state_inputs = [t.input for t in tensors]
+        self.output_names = [m.outputs["logits"]] + [t.output for t in tensors]
+        self._zero = [np.zeros(t.shape, np.dtype(t.dtype)) for t in tensors]
+        self.chunk = m.state.max_tokens_per_call
+        self.vocab_size = m.vocab_size
+        self.max_positions = m.max_positions
+        self.run_seconds = 0.0
+        self.reset()
+
+    @property
+    def providers(self) -> list[str]:
+        return self.graph.providers
+
+    def reset(self) -> None:
+        self.length = 0
+        self._states: dict[int, list[np.ndarray]] = {0: self._zero}
+
+    def state(self, length: int | None = None) -> list[np.ndarray]:
+        """The state after the first ``length`` tokens (default: all fed), if still kept."""
+        length = self.length if length is None else length
+        if length not in self._states:
+            raise GenerationError(f"the state after {length} tokens is no longer kept (kept: "
+                                  f"{sorted(self._states)}); a recurrent model commits forward only")
+        return self._states[length]
+
+    def forward(self, tokens) -> np.ndarray:
+        """Feed ``tokens`` after the first ``length``; returns their logits [s, V]."""
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        start = self.length
+        if start + len(ids) > self.max_positions:
+            raise GenerationError(f"sequence of {start + len(ids)} tokens exceeds the model's max positions "
+                                  f"({self.max_positions})")
+        state = self.state(start)
+        rows = []
+        for c in range(0, len(ids), self.chunk):
+            part = ids[c:c + self.chunk]
+            feeds = {self.ids_name: part[None]}
+            feeds.update(zip(self.state_inputs, state))
+            t0 = time.perf_counter()
+            out = self._run(self.output_names, feeds)
+            self.run_seconds += time.perf_counter() - t0
+            rows.append(out[0][0])
+            base = start + c
+            for j in range(len(part)):
+                self._states[base + j + 1] = [per_position[j] for per_position in out[1:]]
+            state = self._states[base + len(part)]
+        self.length = start + len(ids)
+        return rows[0] if len(rows) == 1 else np.concatenate(rows)
+
+    def commit(self, length: int) -> None:
+        """Keep the state after the first ``length`` tokens; states of later positions are dropped."""
+        length = min(self.length, length)
+        keep = self.state(length)
+        self._states = {length: keep}
+        self.length = length
+
+
+def decoder_for(graph: CompiledGraph):
+    """The model wrapper a graph's manifest asks for: a KV cache or recurrent state."""
+    m = graph.manifest
+    if m is not None and m.state is not None:
+        return StateModel(graph)
+    return KVModel(graph)
