@@ -126,8 +126,8 @@ def test_dir_without_config(tmp_path):
 def test_unsupported_architecture_fails_before_loading(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    (src / "config.json").write_text(json.dumps({"model_type": "mamba", "architectures": ["MambaForCausalLM"]}))
-    with pytest.raises(ExportError, match="unsupported architecture 'mamba'.*supported: .*llama"):
+    (src / "config.json").write_text(json.dumps({"model_type": "rwkv", "architectures": ["RwkvForCausalLM"]}))
+    with pytest.raises(ExportError, match="unsupported architecture 'rwkv'.*supported: .*llama.*mamba"):
         rlxrt.export(src, tmp_path / "out")
 
 

@@ -1,0 +1,159 @@
+"""Recurrent state under speculation, on real exported random-init Mamba graphs.
+
+The graph returns the state after each fed token; commit selects the state at
+the last accepted position. Checked against feeding the committed tokens one
+at a time, and through Session: greedy exactness with recurrent targets and
+drafts, sampled losslessness, several requests in a row.
+"""
+import json
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+import rlxrt
+from rlxrt import Config
+from rlxrt.backends import compile
+from rlxrt.errors import ExportError, GenerationError
+from rlxrt.sampling import SamplingParams, probs
+from rlxrt.sessions import DraftModel, PromptLookup, Session, StateModel
+
+pytestmark = pytest.mark.export
+CFG = Config(intra_op_threads=1, cache=False)
+PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
+
+
+@pytest.fixture(scope="module")
+def mamba(exported):
+    return exported("mamba", seed=0)
+
+
+def fresh(path) -> StateModel:
+    return StateModel(compile(path, CFG))
+
+
+def test_export_writes_state_layout_and_validates(exported, mamba):
+    m = rlxrt.Manifest.load(mamba)
+    cfg = json.loads((exported.source("mamba", seed=0) / "config.json").read_text())
+    assert m.kv_cache is None and m.state is not None and m.model_type == "mamba"
+    conv, ssm = m.state.tensors
+    assert (conv.input, conv.output, ssm.input, ssm.output) == ("conv_state", "conv_states", "ssm_state", "ssm_states")
+    layers, inner = cfg["num_hidden_layers"], cfg["intermediate_size"]
+    assert conv.shape == (layers, 1, inner, cfg["conv_kernel"]) and ssm.shape == (layers, 1, inner, cfg["state_size"])
+    v = m.validation
+    assert v["passed"] and v["max_abs_diff"] < 1e-4 and v["max_abs_diff_state"] < 1e-4
+    assert v["argmax_agreement"] == 1.0 and m.tokenizer == "tokenizer.json"
+
+
+def test_fp16_of_a_recurrent_model_is_a_clear_error(exported, tmp_path):
+    src = exported.source("mamba", seed=0)
+    with pytest.raises(ExportError, match="fp32 only"):
+        rlxrt.export(src, tmp_path / "out", dtype="fp16")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_commit_selects_the_state_of_the_last_accepted_position(mamba, k):
+    rng = np.random.default_rng(k)
+    vocab = rlxrt.Manifest.load(mamba).vocab_size
+    prefix = rng.integers(0, vocab, 11).tolist()
+    fed = rng.integers(0, vocab, k + 1).tolist()     # the pending token and k drafted ones
+    model = fresh(mamba)
+    for keep in range(1, k + 2):                      # keep-1 accepted; keep == k+1: all accepted + bonus row
+        model.reset()
+        model.forward(prefix)
+        rows = model.forward(fed)                     # ONE call over k+1 tokens
+        assert rows.shape == (k + 1, vocab)
+        model.commit(len(prefix) + keep)
+        ref = fresh(mamba)
+        for t in prefix + fed[:keep]:                 # the plain model, one token at a time
+            last = ref.forward([t])
+        for got, want in zip(model.state(), ref.state()):
+            np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+        np.testing.assert_allclose(rows[keep - 1], last[0], atol=2e-4, rtol=1e-4)
+        nxt = int(rng.integers(0, vocab))             # and it continues identically
+        np.testing.assert_allclose(model.forward([nxt]), ref.forward([nxt]), atol=2e-4, rtol=1e-4)
+
+
+def test_long_prompts_go_in_chunks_and_match_single_steps(mamba):
+    model = fresh(mamba)
+    ids = np.random.default_rng(0).integers(0, model.vocab_size, 2 * model.chunk + 7).tolist()
+    rows = model.forward(ids)
+    ref = fresh(mamba)
+    single = np.concatenate([ref.forward([t]) for t in ids])
+    np.testing.assert_allclose(rows, single, atol=2e-4, rtol=1e-4)
+    for got, want in zip(model.state(), ref.state()):
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_commit_cannot_go_behind_the_last_commit(mamba):
+    model = fresh(mamba)
+    model.forward([1, 2, 3, 4])
+    model.commit(3)
+    assert model.length == 3 and len(model.state()) == 2
+    with pytest.raises(GenerationError, match="commits forward only"):
+        model.commit(2)
+
+
+@pytest.fixture(scope="module")
+def plain_mamba(mamba):
+    return Session(mamba, None, CFG).generate(PROMPT, max_new_tokens=40, ignore_eos=True).token_ids
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+@pytest.mark.parametrize("draft", ["mamba", "llama", "lookup"])
+def test_greedy_speculative_equals_plain_with_a_recurrent_target(exported, mamba, plain_mamba, k, draft):
+    spec = PromptLookup() if draft == "lookup" else DraftModel(exported(draft, seed=1, layers=1, hidden=32), CFG)
+    g = Session(mamba, spec, CFG, k=k).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+    assert g.token_ids == plain_mamba
+    if draft != "lookup":
+        assert g.stats.acceptance_rate < 1.0  # rejections happened, so commits rolled state back
+    assert g.stats.drafted > 0
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_greedy_exact_with_a_recurrent_draft_for_an_attention_target(exported, k):
+    target = exported("llama", seed=0)
+    plain = Session(target, None, CFG).generate(PROMPT, max_new_tokens=40, ignore_eos=True).token_ids
+    spec = DraftModel(exported("mamba", seed=2, layers=1, hidden=32), CFG)
+    g = Session(target, spec, CFG, k=k).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+    assert g.token_ids == plain and 0 < g.stats.acceptance_rate < 1.0
+
+
+def test_several_requests_in_a_row_reset_the_state(exported, mamba, plain_mamba):
+    s = Session(mamba, DraftModel(exported("mamba", seed=1, layers=1, hidden=32), CFG), CFG, k=3)
+    other = s.generate("class Point:\n", max_new_tokens=25, ignore_eos=True).token_ids
+    assert s.generate(PROMPT, max_new_tokens=40, ignore_eos=True).token_ids == plain_mamba
+    with pytest.raises(GenerationError):
+        s.generate(PROMPT, max_new_tokens=10, temperature=-1)
+    assert s.generate("class Point:\n", max_new_tokens=25, ignore_eos=True).token_ids == other
+    assert s.generate(PROMPT, max_new_tokens=40, ignore_eos=True).token_ids == plain_mamba
+
+
+def test_sampled_output_of_a_stateful_pair_has_the_targets_distribution(exported, mamba):
+    """Second emitted token (after a recovered or accepted first one, or as a bonus): its marginal
+    against the target's exact one, computed by enumerating the first token."""
+    params = SamplingParams(temperature=1.0)
+    prompt = [5, 17, 42]
+    ref = fresh(mamba)
+    p1 = probs(ref.forward(prompt)[-1], params)[0]
+    p2 = np.zeros_like(p1)
+    for x in np.flatnonzero(p1 > 1e-7):
+        ref.commit(len(prompt))
+        p2 += p1[x] * probs(ref.forward([int(x)])[0], params)[0]
+    p2 /= p2.sum()
+    draws = 6000
+    s = Session(mamba, DraftModel(exported("mamba", seed=1, layers=1, hidden=32), CFG), CFG, k=2)
+    first, second = np.zeros_like(p1), np.zeros_like(p2)
+    for i in range(draws):
+        t = s.generate(prompt, max_new_tokens=2, temperature=1.0, seed=i, ignore_eos=True).token_ids
+        first[t[0]] += 1
+        second[t[1]] += 1
+    assert 0.05 < s.stats.acceptance_rate < 0.95
+    for counts, p in ((first, p1), (second, p2)):
+        expected = p * draws
+        big = expected >= 5
+        obs, exp = counts[big], expected[big]
+        if (~big).any():  # pool the rare tokens into one cell
+            obs, exp = np.append(obs, counts[~big].sum()), np.append(exp, expected[~big].sum())
+        assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
