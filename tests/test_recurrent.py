@@ -157,3 +157,13 @@ def test_sampled_output_of_a_stateful_pair_has_the_targets_distribution(exported
         if (~big).any():  # pool the rare tokens into one cell
             obs, exp = np.append(obs, counts[~big].sum()), np.append(exp, expected[~big].sum())
         assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+
+
+def test_draft_and_target_on_separate_sessions_with_their_own_settings(exported, mamba, plain_mamba):
+    """The draft compiles with its own config (on a GPU machine: another provider); states stay host arrays
+    owned by each model, so nothing crosses between the two sessions but token ids."""
+    draft_cfg = Config(intra_op_threads=2, graph_optimization="disable", cache=False)
+    spec = DraftModel(exported("mamba", seed=1, layers=1, hidden=32), draft_cfg)
+    s = Session(mamba, spec, CFG, k=4)
+    assert s.generate(PROMPT, max_new_tokens=40, ignore_eos=True).token_ids == plain_mamba
+    assert s.speculator.model.graph.session.get_session_options().intra_op_num_threads == 2
