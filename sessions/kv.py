@@ -14,7 +14,9 @@ from rlxrt.backends import CompiledGraph
 from rlxrt.errors import GenerationError, ModelFormatError
 
 
-class KVModel:
+class GraphModel:
+    """What the KV and the recurrent-state models share: the graph, its manifest, timed runs."""
+
     def __init__(self, graph: CompiledGraph):
         m = graph.manifest
         if m is None:
@@ -22,10 +24,31 @@ class KVModel:
                 f"{graph.path} has no rlxrt.json next to it; sessions run model directories made by "
                 "`rlxrt export`, not bare .onnx files"
             )
+        self.graph, self.manifest = graph, m
+        self._session_run = graph.session.run
+        self.ids_name = m.inputs["input_ids"]
+        self.vocab_size = m.vocab_size
+        self.max_positions = m.max_positions
+        self.run_seconds = 0.0
+        """Seconds spent inside ORT's session.run."""
+
+    @property
+    def providers(self) -> list[str]:
+        return self.graph.providers
+
+    def _run(self, names: list[str], feeds: dict) -> list:
+        t0 = time.perf_counter()
+        out = self._session_run(names, feeds)
+        self.run_seconds += time.perf_counter() - t0
+        return out
+
+
+class KVModel(GraphModel):
+    def __init__(self, graph: CompiledGraph):
+        super().__init__(graph)
+        m = self.manifest
         if m.kv_cache is None:
             raise ModelFormatError(f"{graph.path}: the manifest declares no KV cache; re-export the model")
-        self.graph, self.manifest = graph, m
-        self._run = graph.session.run
         kv = m.kv_cache
         names = [kv.names(i) for i in range(kv.layers)]
         self.past_names = [n for layer in names for n in layer[:2]]
@@ -33,20 +56,12 @@ class KVModel:
         missing = [n for n in self.past_names + [m.inputs["input_ids"]] if n not in graph.input_names]
         if missing:
             raise ModelFormatError(f"{graph.path}: the manifest names inputs {missing} the graph does not have")
-        self.ids_name = m.inputs["input_ids"]
         self.mask_name = m.inputs.get("attention_mask")
         self.pos_name = m.inputs.get("position_ids")
-        self.vocab_size = m.vocab_size
-        self.max_positions = m.max_positions
         self._ones = np.ones((1, m.max_positions), np.int64)
         self._positions = np.arange(m.max_positions, dtype=np.int64)[None]
         self._empty = np.zeros((1, kv.kv_heads, 0, kv.head_dim), np.dtype(kv.dtype))
-        self.run_seconds = 0.0
         self.reset()
-
-    @property
-    def providers(self) -> list[str]:
-        return self.graph.providers
 
     def reset(self) -> None:
         self.length = 0
@@ -67,9 +82,7 @@ class KVModel:
             feeds[self.pos_name] = self._positions[:, start:end]
         for name, t in zip(self.past_names, self.cache):
             feeds[name] = t if t.shape[2] == start else t[:, :, :start]
-        t0 = time.perf_counter()
         out = self._run(self.output_names, feeds)
-        self.run_seconds += time.perf_counter() - t0
         self.cache = out[1:]
         self.length = end
         return out[0][0]

@@ -9,44 +9,33 @@ rejected draft costs no re-run. Inputs longer than the graph's
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from rlxrt.backends import CompiledGraph
 from rlxrt.errors import GenerationError, ModelFormatError
 
-from .kv import KVModel
+from .kv import GraphModel, KVModel
 
 
-class StateModel:
+class StateModel(GraphModel):
     def __init__(self, graph: CompiledGraph):
-        m = graph.manifest
-        if m is None or m.state is None:
+        super().__init__(graph)
+        m = self.manifest
+        if m.state is None:
             raise ModelFormatError(f"{graph.path}: the manifest declares no recurrent state")
         if m.kv_cache is not None:
             raise ModelFormatError(f"{graph.path}: graphs with both a KV cache and recurrent state are not "
                                    "supported yet; export the attention and recurrent parts separately")
-        self.graph, self.manifest = graph, m
-        self._run = graph.session.run
         tensors = m.state.tensors
         missing = [t.input for t in tensors if t.input not in graph.input_names]
         missing += [t.output for t in tensors if t.output not in graph.output_names]
         if missing:
             raise ModelFormatError(f"{graph.path}: the manifest names state tensors {missing} the graph lacks")
-        self.ids_name = m.inputs["input_ids"]
         self.state_inputs = [t.input for t in tensors]
         self.output_names = [m.outputs["logits"]] + [t.output for t in tensors]
         self._zero = [np.zeros(t.shape, np.dtype(t.dtype)) for t in tensors]
         self.chunk = m.state.max_tokens_per_call
-        self.vocab_size = m.vocab_size
-        self.max_positions = m.max_positions
-        self.run_seconds = 0.0
         self.reset()
-
-    @property
-    def providers(self) -> list[str]:
-        return self.graph.providers
 
     def reset(self) -> None:
         self.length = 0
@@ -73,9 +62,7 @@ class StateModel:
             part = ids[c:c + self.chunk]
             feeds = {self.ids_name: part[None]}
             feeds.update(zip(self.state_inputs, state))
-            t0 = time.perf_counter()
             out = self._run(self.output_names, feeds)
-            self.run_seconds += time.perf_counter() - t0
             rows.append(out[0][0])
             base = start + c
             for j in range(len(part)):
