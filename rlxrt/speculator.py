@@ -72,7 +72,12 @@ class Speculator(Protocol):
         """Attach to a target model (check vocabulary etc.); raises GenerationError on mismatch."""
 
     def reset(self) -> None:
-        """Forget the previous request (caches, state)."""
+        """Forget the previous request (caches, state).
+
+        Optional: ``prefill(ctx)`` reads the prompt before the first round (a
+        draft model fills its cache there), so that time counts as prefill,
+        not as drafting.
+        """
 
     def propose(self, ctx: Context, k: int) -> DraftProposal:
         """Up to k tokens continuing ``ctx.tokens``."""

@@ -62,6 +62,11 @@ class DraftModel:
     def reset(self) -> None:
         self.model.reset()
 
+    def prefill(self, ctx: Context) -> None:
+        """Read the prompt (all but its last token, like the target) before the first round."""
+        if len(ctx.tokens) < self.model.max_positions:  # else propose drafts nothing anyway
+            self.model.forward(ctx.tokens[self.model.length:-1])
+
     def propose(self, ctx: Context, k: int) -> DraftProposal:
         m = self.model
         k = min(k, m.max_positions - len(ctx.tokens))

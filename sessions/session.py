@@ -160,6 +160,8 @@ class Session:
                 spec.reset()
             if prompt_len > 1:
                 target.forward(ctx.tokens[:-1])
+                if spec is not None and hasattr(spec, "prefill"):
+                    spec.prefill(ctx)
             t_decode = time.perf_counter()
             stats.prefill_seconds = t_decode - t_start
             run0 = target.run_seconds + getattr(spec, "run_seconds", 0.0)  # decode only, like decode_seconds
