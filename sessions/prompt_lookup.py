@@ -7,22 +7,32 @@ one-hot, which is still exact). The longest n-gram (``max_n`` down to
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from rlxrt.errors import GenerationError
 from rlxrt.speculator import AcceptDecision, Context, DraftProposal, VerifyResult
 
 
 def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
-    """Up to k tokens that followed the most recent earlier occurrence of the longest matching suffix."""
+    """Up to k tokens that followed the most recent earlier occurrence of the longest matching suffix.
+
+    One vectorised pass finds the earlier positions holding the last token;
+    only those are extended backwards (most recent first), up to ``max_n``.
+    """
     length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        windows = sliding_window_view(tokens[:-1], n)  # starts 0 .. length-1-n: each has a follower
-        hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-        if hits.size:
-            start = hits[-1] + n
-            return tokens[start:start + k]
-    return tokens[:0]
+    if length < 2:
+        return tokens[:0]
+    best_n, best_end = 0, -1
+    for end in np.flatnonzero(tokens[:-1] == tokens[-1])[::-1].tolist():  # each has a follower
+        n = 1
+        while n < max_n and end - n >= 0 and tokens[end - n] == tokens[length - 1 - n]:
+            n += 1
+        if n > best_n:
+            best_n, best_end = n, end
+            if n == max_n:
+                break
+    if best_n < min_n:
+        return tokens[:0]
+    return tokens[best_end + 1:best_end + 1 + k]
 
 
 class PromptLookup:
@@ -34,15 +44,22 @@ class PromptLookup:
             raise GenerationError(f"prompt lookup needs 1 <= min_n <= max_n, got min_n={min_n!r}, max_n={max_n!r}")
         self.default_k, self.min_n, self.max_n = k, min_n, max_n
         self.run_seconds = 0.0
+        self.reset()
 
     def bind(self, target) -> None:
         pass
 
     def reset(self) -> None:
-        pass
+        self._ids = np.zeros(256, np.int64)  # the request's tokens so far (they only grow within a request)
+        self._n = 0
 
     def propose(self, ctx: Context, k: int) -> DraftProposal:
-        found = lookup(np.asarray(ctx.tokens, np.int64), k, self.min_n, self.max_n)
+        n = len(ctx.tokens)
+        if n > len(self._ids):
+            self._ids = np.concatenate([self._ids[:self._n], np.zeros(2 * n, np.int64)])
+        self._ids[self._n:n] = ctx.tokens[self._n:n]
+        self._n = n
+        found = lookup(self._ids[:n], k, self.min_n, self.max_n)
         return DraftProposal(found.copy(), None)
 
     def commit(self, ctx: Context, decision: AcceptDecision, verify: VerifyResult) -> None:

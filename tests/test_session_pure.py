@@ -6,6 +6,7 @@ from scipy.stats import chisquare
 from bigram import make_bigram_model, rolled_table
 from rlxrt import Config, GenerationError, ModelFormatError
 from rlxrt.sessions import DraftModel, PromptLookup, Session
+from rlxrt.sampling import SamplingParams, make_rng
 from rlxrt.sessions.prompt_lookup import lookup
 
 V = 5
@@ -150,3 +151,35 @@ def test_failed_run_mid_request_is_typed_and_recoverable(pair):
 ])
 def test_lookup(tokens, k, want):
     assert lookup(np.array(tokens), k, 1, 3).tolist() == want
+
+
+def _lookup_brute_force(tokens, k, min_n, max_n):
+    """The definition, spelled out: longest n first, then the most recent earlier occurrence."""
+    tokens = list(tokens)
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - 1 - n, -1, -1):
+            if tokens[start:start + n] == tokens[len(tokens) - n:]:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_lookup_matches_its_definition_on_random_sequences():
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        tokens = rng.integers(0, int(rng.integers(1, 6)), int(rng.integers(0, 30)))
+        k, min_n = int(rng.integers(1, 6)), int(rng.integers(1, 4))
+        max_n = int(rng.integers(min_n, 5))
+        assert lookup(tokens, k, min_n, max_n).tolist() == _lookup_brute_force(tokens, k, min_n, max_n)
+
+
+def test_prompt_lookup_follows_a_growing_context_across_requests():
+    from rlxrt.speculator import Context
+
+    pl = PromptLookup(k=3)
+    ctx = Context(tokens=[1, 2, 3, 9, 1, 2], params=SamplingParams(), rng=make_rng(0))
+    assert pl.propose(ctx, 3).tokens.tolist() == [3, 9, 1]
+    ctx.tokens += [3] + list(range(10, 400)) + [1, 2]  # grows past the buffer
+    assert pl.propose(ctx, 3).tokens.tolist() == [3, 10, 11]
+    pl.reset()
+    ctx = Context(tokens=[7, 8, 7], params=SamplingParams(), rng=make_rng(0))
+    assert pl.propose(ctx, 2).tokens.tolist() == [8, 7]
