@@ -19,6 +19,7 @@ from rlxrt.errors import ExportError, RlxrtError
 from rlxrt.manifest import KVCacheLayout, Manifest
 
 from .deps import require_export_stack, versions
+from .hidden import HIDDEN, add_hidden_output
 from .source import RECURRENT, TASK, check_architecture, read_config, resolve_source, weights_hash
 from .validate import TOLERANCE, reference_logits, validate
 from .variants import to_fp16, to_int8
@@ -96,7 +97,8 @@ def _kv_layout(graph: Path, layers: int, dtype: str) -> tuple[dict, dict, KVCach
     if not kv_heads or not head_dim:
         raise ExportError("exported graph has no static kv-heads/head-dim in its past inputs")
     inputs = {role: (role if role in ins else None) for role in ("input_ids", "attention_mask", "position_ids")}
-    outputs = {"logits": "logits" if "logits" in outs else None, "hidden_states": None}
+    outputs = {"logits": "logits" if "logits" in outs else None,
+               "hidden_states": HIDDEN if HIDDEN in outs else None}
     return inputs, outputs, KVCacheLayout(layers, kv_heads, head_dim, dtype, *pattern)
 
 
@@ -129,11 +131,14 @@ def _save_tokenizer(transformers, src: Path, dst: Path) -> str | None:
 
 def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runner, dtype: str = "fp32",
                  quantize: str | None = None, force: bool = False, validate_export: bool = True,
-                 atol: float | None = None, report: Callable[[str], None] | None = None) -> ExportResult:
+                 atol: float | None = None, report: Callable[[str], None] | None = None,
+                 with_hidden_states: bool = False) -> ExportResult:
     """Export ``src`` (a local Hugging Face model directory or a hub id) into ``out``.
 
     ``runner(graph_path)`` returns a ``run(feeds) -> {name: array}`` callable
     for validation; ``rlxrt.export`` passes one built on ``rlxrt.backends.compile``.
+    ``with_hidden_states`` adds the last hidden state (the LM head's input) as
+    output ``hidden_states``, for draft heads that read it (``MtpHead``).
     """
     if dtype not in DTYPES:
         raise ExportError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
@@ -155,6 +160,9 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
     try:
         model = steps.run("load", _load, torch, transformers, src_dir)
         if model_type in RECURRENT:
+            if with_hidden_states:
+                raise ExportError(f"--with-hidden-states is not supported for {model_type} yet; "
+                                  "drop it (recurrent targets draft with a draft model or prompt lookup)")
             final = steps.run("export", _recurrent_graph, torch, model, work, variant)
             manifest = _recurrent_manifest(config, model, model_type, src, src_dir, transformers, final)
             if validate_export:
@@ -168,6 +176,8 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
             return ExportResult(out, manifest, steps.seconds)
         raw = work / "raw"
         steps.run("export", _optimum_export, optimum_onnx, model, raw)
+        if with_hidden_states:
+            add_hidden_output(raw / GRAPH, int(model.config.hidden_size))
         final = work / "model"
         final.mkdir()
         if variant == "float16":
@@ -208,8 +218,9 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
 
 def _check_validation(record: dict) -> None:
     if not record["passed"]:
+        worst = max((k for k in record if k.startswith("max_abs_diff")), key=lambda k: record[k])
         raise ExportError(
-            f"validation failed: ORT and PyTorch differ by {record['max_abs_diff']:.3g} "
+            f"validation failed: ORT and PyTorch differ by {record[worst]:.3g} ({worst}) "
             f"(allowed {record['tolerance']:.3g}; argmax agreement {record['argmax_agreement']:.2f}); "
             "nothing was written. Pass a looser atol only if this variant is expected to drift"
         )
@@ -258,8 +269,8 @@ def _optimum_export(optimum_onnx, model, raw: Path) -> None:
 
 def _validate(torch, model, manifest: Manifest, run, tolerance: float) -> dict:
     prompt_len = 8
-    ids, ref = reference_logits(torch, model, manifest.vocab_size, prompt_len=prompt_len, step_len=4)
-    return validate(run, manifest, ids, ref, prompt_len, tolerance)
+    ids, ref, hidden = reference_logits(torch, model, manifest.vocab_size, prompt_len=prompt_len, step_len=4)
+    return validate(run, manifest, ids, ref, prompt_len, tolerance, hidden)
 
 
 def _write(manifest: Manifest, final: Path, out: Path, force: bool) -> None:

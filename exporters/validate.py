@@ -17,12 +17,14 @@ TOLERANCE = {"float32": 1e-3, "float16": 3e-2, "int8": 0.3}
 
 
 def reference_logits(torch, model, vocab_size: int, prompt_len: int = 8, step_len: int = 4, seed: int = 0):
-    """Token ids for a prefill and a following step, and PyTorch's logits for both."""
+    """Token ids for a prefill and a following step, and PyTorch's logits and last hidden states for both."""
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, vocab_size, size=(1, prompt_len + step_len), dtype=np.int64)
+    x = torch.from_numpy(ids)
     with torch.no_grad():
-        logits = model(input_ids=torch.from_numpy(ids), use_cache=False).logits.float().numpy()
-    return ids, logits
+        logits = model(input_ids=x, use_cache=False).logits
+        hidden = model.base_model(input_ids=x, use_cache=False).last_hidden_state  # what the LM head reads
+    return ids, logits.float().numpy(), hidden.float().numpy()
 
 
 def feeds_for(manifest: Manifest, ids: np.ndarray, past: list[np.ndarray] | None, past_len: int) -> dict:
@@ -45,11 +47,12 @@ def feeds_for(manifest: Manifest, ids: np.ndarray, past: list[np.ndarray] | None
 
 
 def validate(run: Callable[[dict], dict], manifest: Manifest, ids: np.ndarray, ref: np.ndarray,
-             prompt_len: int, tolerance: float) -> dict:
-    """Compare the graph with PyTorch's reference logits; returns the record stored in the manifest."""
+             prompt_len: int, tolerance: float, hidden_ref: np.ndarray | None = None) -> dict:
+    """Compare the graph with PyTorch's reference logits (and last hidden states when the graph
+    outputs them); returns the record stored in the manifest."""
     kv = manifest.kv_cache
     logits_name = manifest.outputs["logits"]
-    out = run(feeds_for(manifest, ids[:, :prompt_len], None, 0))
+    out = hidden = run(feeds_for(manifest, ids[:, :prompt_len], None, 0))
     prefill = out[logits_name].astype(np.float32)
     past = []
     if kv is not None:
@@ -58,6 +61,10 @@ def validate(run: Callable[[dict], dict], manifest: Manifest, ids: np.ndarray, r
             past += [out[ck], out[cv]]
     out = run(feeds_for(manifest, ids[:, prompt_len:], past, prompt_len))
     step = out[logits_name].astype(np.float32)
+    hidden_name = manifest.outputs.get("hidden_states")
+    if hidden_name and hidden_ref is not None:
+        got = np.concatenate([hidden[hidden_name], out[hidden_name]], axis=1).astype(np.float32)
+        return compare(prefill, step, ref, tolerance, max_abs_diff_hidden=float(np.abs(got - hidden_ref).max()))
     return compare(prefill, step, ref, tolerance)
 
 

@@ -27,6 +27,7 @@ _LAZY = {
     "Generation": ("rlxrt.sessions", "Generation"),
     "DraftModel": ("rlxrt.sessions", "DraftModel"),
     "PromptLookup": ("rlxrt.sessions", "PromptLookup"),
+    "MtpHead": ("rlxrt.sessions", "MtpHead"),
 }
 
 __all__ = ["Config", "load_config", "Manifest", "RlxrtError", "ConfigError", "ProviderError",

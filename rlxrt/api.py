@@ -7,29 +7,35 @@ from typing import Callable
 
 def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32", quantize: str | None = None,
            force: bool = False, validate: bool = True, atol: float | None = None,
-           report: Callable[[str], None] | None = None):
+           report: Callable[[str], None] | None = None, with_hidden_states: bool = False):
     """Export a Hugging Face causal LM (local directory or hub id) to an rlxrt model directory.
 
     Returns ``rlxrt.exporters.ExportResult`` (path, manifest, seconds per step).
     ``dtype`` is fp32 or fp16; ``quantize="int8"`` applies dynamic int8
     quantisation. Validation against PyTorch runs unless ``validate=False``.
+    ``with_hidden_states`` adds the last hidden state as an output (for ``MtpHead``).
     Needs ``pip install 'rlxrt[export]'``.
     """
-    from .config import Config
     from .exporters.deps import require_export_stack
 
     require_export_stack()
-    from .backends import compile
     from .exporters import export_model
 
-    def runner(graph_path):
-        graph = compile(graph_path, Config(providers=("cpu",), cache=False, intra_op_threads=1))
-        names = graph.output_names
-
-        def run(feeds):
-            return dict(zip(names, graph.session.run(names, feeds)))
-
-        return run
-
     return export_model(src, out, runner=runner, dtype=dtype, quantize=quantize, force=force,
-                        validate_export=validate, atol=atol, report=report)
+                        validate_export=validate, atol=atol, report=report,
+                        with_hidden_states=with_hidden_states)
+
+
+def runner(graph_path: str | os.PathLike) -> Callable[[dict], dict]:
+    """``run(feeds) -> {output name: array}`` on a CPU session of ``graph_path``: how exporters validate a
+    graph without creating ORT sessions themselves."""
+    from .backends import compile
+    from .config import Config
+
+    graph = compile(graph_path, Config(providers=("cpu",), cache=False, intra_op_threads=1))
+    names = graph.output_names
+
+    def run(feeds):
+        return dict(zip(names, graph.session.run(names, feeds)))
+
+    return run

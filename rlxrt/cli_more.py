@@ -13,7 +13,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(f"exporting {args.src} -> {args.out}", file=sys.stderr)
     res = export(args.src, args.out, dtype=args.dtype, quantize=args.quantize, force=args.force,
-                 validate=not args.no_validate, atol=args.atol, report=report)
+                 validate=not args.no_validate, atol=args.atol, report=report,
+                 with_hidden_states=args.with_hidden_states)
     m = res.manifest
     v = m.validation
     if args.json:
@@ -170,6 +171,8 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     p.add_argument("--no-validate", action="store_true", help="skip the ORT-vs-PyTorch check")
     p.add_argument("--atol", type=float, help="validation tolerance (max abs logit diff, scaled by max |logit|)")
+    p.add_argument("--with-hidden-states", action="store_true",
+                   help="also output the last hidden state (needed by an MTP head drafting for this target)")
     p.add_argument("--quiet", action="store_true", help="no step report")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
 

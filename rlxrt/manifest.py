@@ -106,6 +106,9 @@ class Manifest:
     """Result of validating ORT against PyTorch (max abs diff, argmax agreement, tolerance)."""
     state: StateLayout | None = None
     """Recurrent state tensors, or None for a pure attention model."""
+    draft_head: dict[str, Any] | None = None
+    """For a draft head (not a language model): ``kind`` (``mtp``), ``hidden_size`` and the ``target``
+    it was trained on (``path_or_id``, ``weights_sha256``); None for a model."""
     schema: str = SCHEMA
 
     def to_dict(self) -> dict[str, Any]:

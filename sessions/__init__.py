@@ -1,8 +1,9 @@
 """rlxrt.sessions: the Session, KV caches, the decode loop, one file per speculator."""
 from .draft_model import DraftModel
 from .kv import KVModel
+from .mtp_head import MtpHead
 from .prompt_lookup import PromptLookup
 from .session import Generation, Session
 from .state import StateModel, decoder_for
 
-__all__ = ["DraftModel", "Generation", "KVModel", "PromptLookup", "Session", "StateModel", "decoder_for"]
+__all__ = ["DraftModel", "Generation", "KVModel", "MtpHead", "PromptLookup", "Session", "StateModel", "decoder_for"]

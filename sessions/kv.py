@@ -17,6 +17,9 @@ from rlxrt.errors import GenerationError, ModelFormatError
 class GraphModel:
     """What the KV and the recurrent-state models share: the graph, its manifest, timed runs."""
 
+    hidden: np.ndarray | None = None
+    """[s, H] last hidden states of the last forward, when fetched (see ``KVModel.fetch_hidden``)."""
+
     def __init__(self, graph: CompiledGraph):
         m = graph.manifest
         if m is None:
@@ -61,10 +64,24 @@ class KVModel(GraphModel):
         self._ones = np.ones((1, m.max_positions), np.int64)
         self._positions = np.arange(m.max_positions, dtype=np.int64)[None]
         self._empty = np.zeros((1, kv.kv_heads, 0, kv.head_dim), np.dtype(kv.dtype))
+        self._caches = len(self.past_names)
         self.reset()
+
+    def fetch_hidden(self) -> int:
+        """Return the last hidden states with every forward (in ``hidden``); returns the hidden size."""
+        name = self.manifest.outputs.get("hidden_states")
+        if not name or name not in self.graph.output_names:
+            raise GenerationError(
+                f"{self.graph.path} has no hidden_states output, and a draft head reads the target's last hidden "
+                "state; re-export the target with `rlxrt export SRC OUT --with-hidden-states`")
+        if name not in self.output_names:
+            self.output_names.append(name)
+        shape = next(t.shape for t in self.graph.outputs if t.name == name)
+        return int(shape[-1]) if shape and isinstance(shape[-1], int) else -1
 
     def reset(self) -> None:
         self.length = 0
+        self.hidden = None
         self.cache = [self._empty] * len(self.past_names)
 
     def forward(self, tokens) -> np.ndarray:
@@ -83,7 +100,9 @@ class KVModel(GraphModel):
         for name, t in zip(self.past_names, self.cache):
             feeds[name] = t if t.shape[2] == start else t[:, :, :start]
         out = self._run(self.output_names, feeds)
-        self.cache = out[1:]
+        self.cache = out[1:1 + self._caches]
+        if len(out) > 1 + self._caches:
+            self.hidden = out[-1][0]
         self.length = end
         return out[0][0]
 

@@ -184,10 +184,10 @@ class Session:
                 logits = target.forward(feed)
                 t2 = time.perf_counter()
                 if greedy:
-                    verify = VerifyResult(logits)
+                    verify = VerifyResult(logits, hidden=target.hidden)
                     decision = greedy_accept(logits.argmax(-1), drafted)
                 else:
-                    verify = VerifyResult(logits, probs(logits, ctx.params))
+                    verify = VerifyResult(logits, probs(logits, ctx.params), target.hidden)
                     q = proposal.probs
                     decision = speculative_accept(verify.probs, q, drafted, ctx.rng)
                 new = decision.tokens.tolist()

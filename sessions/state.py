@@ -5,7 +5,9 @@ returns the state after EACH token it was fed (manifest ``state``), and this
 model keeps those states for every position since the last commit; a commit
 to length n selects the state after token n-1 and forgets the rest, so a
 rejected draft costs no re-run. Inputs longer than the graph's
-``max_tokens_per_call`` are fed in chunks.
+``max_tokens_per_call`` are fed in chunks. A graph with a per-position
+``hidden_states`` input (a draft head) is fed those rows beside the tokens,
+and one with a ``hidden_states`` output leaves its rows in ``hidden``.
 """
 from __future__ import annotations
 
@@ -32,13 +34,18 @@ class StateModel(GraphModel):
         if missing:
             raise ModelFormatError(f"{graph.path}: the manifest names state tensors {missing} the graph lacks")
         self.state_inputs = [t.input for t in tensors]
-        self.output_names = [m.outputs["logits"]] + [t.output for t in tensors]
+        self.hidden_in = m.inputs.get("hidden_states")
+        hidden_out = m.outputs.get("hidden_states")
+        self.output_names = [m.outputs["logits"]] + ([hidden_out] if hidden_out else []) \
+            + [t.output for t in tensors]
+        self._first_state = 2 if hidden_out else 1
         self._zero = [np.zeros(t.shape, np.dtype(t.dtype)) for t in tensors]
         self.chunk = m.state.max_tokens_per_call
         self.reset()
 
     def reset(self) -> None:
         self.length = 0
+        self.hidden = None
         self._states: dict[int, list[np.ndarray]] = {0: self._zero}
 
     def state(self, length: int | None = None) -> list[np.ndarray]:
@@ -49,26 +56,37 @@ class StateModel(GraphModel):
                                   f"{sorted(self._states)}); a recurrent model commits forward only")
         return self._states[length]
 
-    def forward(self, tokens) -> np.ndarray:
-        """Feed ``tokens`` after the first ``length``; returns their logits [s, V]."""
+    def forward(self, tokens, hidden: np.ndarray | None = None) -> np.ndarray:
+        """Feed ``tokens`` (and ``hidden`` [s, H] rows, for a head) after the first ``length``;
+        returns their logits [s, V]."""
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         start = self.length
         if start + len(ids) > self.max_positions:
             raise GenerationError(f"sequence of {start + len(ids)} tokens exceeds the model's max positions "
                                   f"({self.max_positions})")
+        if self.hidden_in is not None and (hidden is None or len(hidden) != len(ids)):
+            raise GenerationError(f"{self.graph.path}: this graph reads a hidden state per token; got "
+                                  f"{None if hidden is None else len(hidden)} rows for {len(ids)} tokens")
         state = self.state(start)
-        rows = []
+        rows, hid = [], []
         for c in range(0, len(ids), self.chunk):
             part = ids[c:c + self.chunk]
             feeds = {self.ids_name: part[None]}
+            if self.hidden_in is not None:
+                feeds[self.hidden_in] = np.asarray(hidden[c:c + self.chunk], np.float32)[None]
             feeds.update(zip(self.state_inputs, state))
             out = self._run(self.output_names, feeds)
             rows.append(out[0][0])
+            if self._first_state == 2:
+                hid.append(out[1][0])
             base = start + c
+            states = out[self._first_state:]
             for j in range(len(part)):
-                self._states[base + j + 1] = [per_position[j] for per_position in out[1:]]
+                self._states[base + j + 1] = [per_position[j] for per_position in states]
             state = self._states[base + len(part)]
         self.length = start + len(ids)
+        if hid:
+            self.hidden = hid[0] if len(hid) == 1 else np.concatenate(hid)
         return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
     def commit(self, length: int) -> None:
@@ -82,6 +100,9 @@ class StateModel(GraphModel):
 def decoder_for(graph: CompiledGraph):
     """The model wrapper a graph's manifest asks for: a KV cache or recurrent state."""
     m = graph.manifest
+    if m is not None and m.inputs.get("hidden_states"):
+        raise ModelFormatError(f"{graph.path} is a draft head (it reads the target's hidden states), not a "
+                               "language model; bind it as a speculator: MtpHead(dir) / --speculator mtp")
     if m is not None and m.state is not None:
         return StateModel(graph)
     return KVModel(graph)

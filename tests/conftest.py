@@ -81,14 +81,14 @@ class _Exports:
         return self.done[key]
 
     def __call__(self, family: str, seed: int = 0, dtype: str = "fp32", quantize: str | None = None,
-                 **kw) -> Path:
+                 with_hidden: bool = False, **kw) -> Path:
         import rlxrt
 
-        key = ("onnx", family, seed, dtype, quantize, tuple(sorted(kw.items())))
+        key = ("onnx", family, seed, dtype, quantize, with_hidden, tuple(sorted(kw.items())))
         if key not in self.done:
             src = self.source(family, seed, **kw)
             out = self.root / f"onnx-{family}-{seed}-{dtype}-{quantize}-{len(self.done)}"
-            rlxrt.export(src, out, dtype=dtype, quantize=quantize)
+            rlxrt.export(src, out, dtype=dtype, quantize=quantize, with_hidden_states=with_hidden)
             self.done[key] = out
         return self.done[key]
 

@@ -1,0 +1,179 @@
+"""An MTP draft head (DeepSeek-V3 style, chained like EAGLE) with a recurrent block, and its export.
+
+At position p the head reads the target's last hidden state h_p and the
+embedding of the next token x_{p+1}; it returns a hidden state that imitates
+the target's h_{p+1} and the logits of x_{p+2} (through the target's own
+output embedding). Fed its own hidden state and the token it proposed, it
+chains for k proposals.
+
+Its stateful block is a gated linear recurrence over the token stream:
+s_p = a_p * s_{p-1} + (1 - a_p) * v_p with a_p, v_p computed from x_{p+1}
+alone. The state therefore depends on tokens only, never on a hidden state
+the head predicted itself, so after a verification the state at the last
+accepted position is exact: commit selects it from the per-position states
+and never re-runs the head.
+
+Graph interface (H = hidden size, R = state size)::
+
+    inputs   input_ids [1, s] int64        x_{p+1} for each position p
+             hidden_states [1, s, H]       h_p (the target's, or the head's own when chaining)
+             state [R]                     the state before the first position
+    outputs  logits [1, s, V], hidden_out [1, s, H], states [s, R]
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from rlxrt.errors import ExportError
+from rlxrt.manifest import Manifest, StateLayout, StateTensor
+
+from .deps import versions
+from .validate import TOLERANCE, compare
+
+CHUNK = 32
+GRAPH = "model.onnx"
+INPUTS = ("input_ids", "hidden_states", "state")
+OUTPUTS = ("logits", "hidden_out", "states")
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    hidden_size: int
+    vocab_size: int
+    state_size: int = 256
+    intermediate_size: int = 512
+    rms_norm_eps: float = 1e-6
+
+
+def build_head(torch, cfg: HeadConfig, embedding, unembedding=None):
+    """The head as a torch module. ``embedding`` [V, H] is the target's input embedding and
+    ``unembedding`` [V, H] its LM head weight (None when tied); both are copied and frozen."""
+    nn = torch.nn
+    H, R, I = cfg.hidden_size, cfg.state_size, cfg.intermediate_size
+
+    class RMSNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(H))
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * self.weight
+
+    class MtpHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Parameter(embedding.detach().clone().float(), requires_grad=False)
+            self.unembed = None if unembedding is None else \
+                nn.Parameter(unembedding.detach().clone().float(), requires_grad=False)
+            self.norm_h, self.norm_e, self.norm_m, self.norm_f = RMSNorm(), RMSNorm(), RMSNorm(), RMSNorm()
+            self.fuse = nn.Linear(2 * H, H, bias=False)
+            self.gate_in = nn.Linear(H, 2 * R)
+            self.state_out = nn.Linear(R, H, bias=False)
+            self.up = nn.Linear(H, 2 * I, bias=False)
+            self.down = nn.Linear(I, H, bias=False)
+
+        def gates(self, ids):
+            """Per position: log a_p and (1 - a_p) * v_p, from the token alone."""
+            e = self.norm_e(nn.functional.embedding(ids, self.embed))
+            pre, v = self.gate_in(e).chunk(2, dim=-1)
+            return e, nn.functional.logsigmoid(pre), torch.sigmoid(-pre) * v
+
+        def mix(self, h, e, states):
+            """Everything after the recurrence: the predicted hidden state and the logits."""
+            z = self.fuse(torch.cat([self.norm_h(h), e], dim=-1)) + self.state_out(states)
+            g, u = self.up(self.norm_m(z)).chunk(2, dim=-1)
+            z = z + self.down(nn.functional.silu(g) * u)
+            hid = self.norm_f(z)
+            return hid @ self.out_weight().t(), hid
+
+        def out_weight(self):
+            return self.embed if self.unembed is None else self.unembed
+
+        def scan_loop(self, log_a, b, s0):
+            """Training form: [B, T, R] sequentially (any length)."""
+            a, out, s = log_a.exp(), [], s0
+            for t in range(b.shape[1]):
+                s = a[:, t] * s + b[:, t]
+                out.append(s)
+            return torch.stack(out, dim=1)
+
+        def forward(self, input_ids, hidden_states, state):
+            """Graph form: one sequence of s <= CHUNK positions, the scan in closed form."""
+            e, log_a, b = self.gates(input_ids[0])                     # [s, H], [s, R], [s, R]
+            s = input_ids.shape[1]
+            S = torch.cumsum(log_a, dim=0)                               # [s, R], decreasing
+            pos = torch.arange(s)
+            mask = torch.zeros(s, s).masked_fill(pos[None, :] > pos[:, None], -torch.inf)[:, :, None]
+            w = torch.exp(S[:, None, :] - S[None, :, :] + mask)          # [t, u, R], exponents <= 0
+            states = (w * b[None, :, :]).sum(1) + torch.exp(S) * state[None, :]
+            logits, hid = self.mix(hidden_states[0], e, states)
+            return logits[None], hid[None], states
+
+    return MtpHead()
+
+
+def export_head(torch, head, path) -> None:
+    import warnings
+
+    H = head.embed.shape[1]
+    R = head.state_out.in_features
+    args = (torch.zeros((1, 3), dtype=torch.long), torch.zeros((1, 3, H)), torch.zeros(R))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript exporter is deprecated but exports this loop-free graph
+        torch.onnx.export(head.eval(), args, str(path), input_names=list(INPUTS), output_names=list(OUTPUTS),
+                          opset_version=17, dynamo=False,
+                          dynamic_axes={"input_ids": {1: "s"}, "hidden_states": {1: "s"}, "logits": {1: "s"},
+                                        "hidden_out": {1: "s"}, "states": {0: "s"}})
+
+
+def head_manifest(cfg: HeadConfig, target: Manifest, validation: dict) -> Manifest:
+    """The head's manifest: the target's vocabulary and limits, one state tensor, the target it drafts for."""
+    return Manifest(
+        architecture="RlxrtMtpHead", model_type="mtp-head", vocab_size=cfg.vocab_size,
+        max_positions=target.max_positions, graph=GRAPH, dtype="float32",
+        inputs={"input_ids": "input_ids", "hidden_states": "hidden_states", "attention_mask": None,
+                "position_ids": None},
+        outputs={"logits": "logits", "hidden_states": "hidden_out"}, kv_cache=None,
+        state=StateLayout((StateTensor("state", "states", (cfg.state_size,), "float32"),), CHUNK),
+        bos_token_id=target.bos_token_id, eos_token_ids=target.eos_token_ids, pad_token_id=target.pad_token_id,
+        tokenizer=None, source={"task": "mtp-head", "config": asdict(cfg)}, versions=versions(),
+        validation=validation,
+        draft_head={"kind": "mtp", "hidden_size": cfg.hidden_size,
+                    "target": {k: target.source.get(k) for k in ("path_or_id", "weights_sha256")}})
+
+
+def validate_head(torch, head, run, tolerance: float = TOLERANCE["float32"], prompt_len: int = 8,
+                  step_len: int = 4) -> dict:
+    """ORT vs the torch head run sequentially (its training form): a prefill from zero state,
+    then a step from the prefill's last state; logits, hidden outputs and states."""
+    H, R = head.embed.shape[1], head.state_out.in_features
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, head.embed.shape[0], size=(1, prompt_len + step_len), dtype=np.int64)
+    hidden = rng.standard_normal((1, prompt_len + step_len, H)).astype(np.float32)
+    with torch.no_grad():
+        e, log_a, b = head.gates(torch.from_numpy(ids))
+        states = head.scan_loop(log_a, b, torch.zeros(1, R))
+        ref, ref_hid = head.mix(torch.from_numpy(hidden), e, states)
+    a = run({"input_ids": ids[:, :prompt_len], "hidden_states": hidden[:, :prompt_len],
+             "state": np.zeros(R, np.float32)})
+    c = run({"input_ids": ids[:, prompt_len:], "hidden_states": hidden[:, prompt_len:], "state": a["states"][-1]})
+    diffs = {"max_abs_diff_hidden": float(np.abs(np.concatenate([a["hidden_out"], c["hidden_out"]], 1)
+                                                 - ref_hid.numpy()).max()),
+             "max_abs_diff_state": float(np.abs(np.concatenate([a["states"], c["states"]]) - states[0].numpy()).max())}
+    return compare(a["logits"], c["logits"], ref.numpy(), tolerance, **diffs)
+
+
+def write_head(torch, head, cfg: HeadConfig, target: Manifest, out: Path, run_for) -> Manifest:
+    """Export ``head`` into the model directory ``out``, validated; ``run_for(graph_path)`` gives a
+    ``run(feeds) -> {name: array}`` (``rlxrt.exporters.mtp_runner``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    export_head(torch, head, out / GRAPH)
+    record = validate_head(torch, head, run_for(out / GRAPH))
+    if not record["passed"]:
+        raise ExportError(f"MTP head validation failed: ORT and torch differ ({record}); nothing usable was written")
+    manifest = head_manifest(cfg, target, record)
+    manifest.write(out)
+    return manifest

@@ -1,0 +1,210 @@
+"""The MTP draft head on real exported graphs: a random-init Llama target exported with its hidden
+states, and a random-init head written by exporters.mtp (validated against torch).
+
+The head's recurrent state after each commit is checked against feeding the committed tokens one at a
+time; through Session: greedy exactness, sampled losslessness, several requests, bad bindings.
+"""
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+import rlxrt
+from rlxrt import Config
+from rlxrt.backends import compile
+from rlxrt.errors import GenerationError, ModelFormatError
+from rlxrt.sampling import SamplingParams, probs
+from rlxrt.speculator import AcceptDecision, Context, VerifyResult
+from rlxrt.sessions import DraftModel, KVModel, MtpHead, Session, StateModel
+
+pytestmark = pytest.mark.export
+CFG = Config(intra_op_threads=1, cache=False)
+PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
+
+
+def make_head(target_dir, src_dir, out, seed=0):
+    import torch
+    import transformers as tf
+
+    from rlxrt.api import runner
+    from rlxrt.exporters.mtp import HeadConfig, build_head, write_head
+
+    model = tf.AutoModelForCausalLM.from_pretrained(str(src_dir))
+    cfg = HeadConfig(hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size, state_size=24,
+                     intermediate_size=48)
+    torch.manual_seed(seed)
+    head = build_head(torch, cfg, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.requires_grad and p.dim() == 2:
+                p.normal_(0, 0.3)
+    write_head(torch, head, cfg, rlxrt.Manifest.load(target_dir), out, runner)
+    return out
+
+
+@pytest.fixture(scope="module")
+def target(exported):
+    return exported("llama", seed=0, with_hidden=True)
+
+
+@pytest.fixture(scope="module")
+def head(exported, target, tmp_path_factory):
+    return make_head(target, exported.source("llama", seed=0), tmp_path_factory.mktemp("mtp") / "head")
+
+
+@pytest.fixture(scope="module")
+def plain(exported):
+    return Session(exported("llama", seed=0), None, CFG).generate(PROMPT, max_new_tokens=40,
+                                                                  ignore_eos=True).token_ids
+
+
+def test_export_with_hidden_states_matches_torch(exported, target):
+    import torch
+    import transformers as tf
+
+    m = rlxrt.Manifest.load(target)
+    assert m.outputs["hidden_states"] == "hidden_states"
+    assert m.validation["passed"] and m.validation["max_abs_diff_hidden"] < 1e-4
+    model = KVModel(compile(target, CFG))
+    model.fetch_hidden()
+    ids = [5, 9, 40, 7, 12, 3]
+    model.forward(ids[:4])
+    first = model.hidden
+    model.forward(ids[4:])
+    src = tf.AutoModelForCausalLM.from_pretrained(str(exported.source("llama", seed=0)))
+    with torch.no_grad():
+        ref = src.model(input_ids=torch.tensor([ids])).last_hidden_state[0].numpy()
+    np.testing.assert_allclose(np.concatenate([first, model.hidden]), ref, atol=1e-4)
+    assert rlxrt.Manifest.load(exported("llama", seed=0)).outputs["hidden_states"] is None
+
+
+def test_gpt2_exports_its_hidden_states_too(exported):
+    m = rlxrt.Manifest.load(exported("gpt2", seed=0, with_hidden=True))
+    assert m.outputs["hidden_states"] == "hidden_states" and m.validation["max_abs_diff_hidden"] < 1e-4
+
+
+def test_head_export_is_validated_and_declares_its_state(head, target):
+    m = rlxrt.Manifest.load(head)
+    assert m.draft_head["kind"] == "mtp" and m.draft_head["hidden_size"] == 64
+    assert m.draft_head["target"]["weights_sha256"] == rlxrt.Manifest.load(target).source["weights_sha256"]
+    (state,) = m.state.tensors
+    assert (state.input, state.output, state.shape) == ("state", "states", (24,))
+    v = m.validation
+    assert v["passed"] and v["max_abs_diff"] < 1e-4 and v["max_abs_diff_state"] < 1e-5
+
+
+def sequential_state(head_dir, tokens):
+    """The head's state after consuming ``tokens`` one call per token (the hidden input does not reach it)."""
+    m = StateModel(compile(head_dir, CFG))
+    for t in tokens:
+        m.forward([t], np.zeros((1, 64), np.float32))
+    return m.state()[0]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_head_state_after_commit_equals_feeding_the_committed_tokens_one_at_a_time(target, head, k):
+    """Drive propose / verify / commit by hand with forced accept patterns j = 0..k (j = k: bonus)."""
+    rng = np.random.default_rng(k)
+    tgt = KVModel(compile(target, CFG))
+    spec = MtpHead(head, CFG)
+    spec.bind(tgt)
+    vocab = tgt.vocab_size
+    ctx = Context(tokens=rng.integers(3, vocab, 9).tolist(), params=SamplingParams(), rng=np.random.default_rng(0))
+    tgt.forward(ctx.tokens[:-1])
+    spec.prefill(ctx)
+    patterns = list(range(k + 1)) * 2
+    rng.shuffle(patterns)
+    for j in patterns:
+        drafted = spec.propose(ctx, k).tokens
+        assert len(drafted) == k
+        logits = tgt.forward([ctx.tokens[-1], *drafted])
+        verify = VerifyResult(logits, hidden=tgt.hidden)
+        new = np.append(drafted[:j], rng.integers(3, vocab))
+        decision = AcceptDecision(j, new.astype(np.int64), bonus=j == k)
+        ctx.tokens.extend(new.tolist())
+        tgt.commit(len(ctx.tokens) - 1)
+        spec.commit(ctx, decision, verify)
+        n = len(ctx.tokens)
+        assert spec.model.length == spec.row_start <= n - 2 and len(spec.rows) == n - 1 - spec.row_start
+        want = sequential_state(head, ctx.tokens[1:spec.model.length + 1])
+        np.testing.assert_allclose(spec.model.state()[0], want, atol=1e-5)
+        # the kept hidden rows are the target's own, for the positions the head has not consumed
+        ref = KVModel(compile(target, CFG))
+        ref.fetch_hidden()
+        ref.forward(ctx.tokens[:-1])
+        np.testing.assert_allclose(spec.rows, ref.hidden[spec.row_start:n - 1], atol=1e-4)
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_with_the_mtp_head_equals_plain_greedy(target, head, plain, k):
+    g = Session(target, MtpHead(head, CFG), CFG, k=k).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+    assert g.token_ids == plain
+    assert g.stats.drafted > 0 and g.stats.providers["draft"] == ["cpu"]
+
+
+def test_a_one_token_prompt_drafts_from_the_second_round_on(target, head, exported):
+    plain = Session(exported("llama", seed=0), None, CFG).generate([7], max_new_tokens=12, ignore_eos=True)
+    g = Session(target, MtpHead(head, CFG), CFG, k=3).generate([7], max_new_tokens=12, ignore_eos=True)
+    assert g.token_ids == plain.token_ids and g.stats.drafted > 0
+
+
+def test_several_requests_in_a_row_reset_the_head(target, head, plain):
+    s = Session(target, MtpHead(head, CFG), CFG, k=3)
+    other = s.generate("class Point:\n", max_new_tokens=25, ignore_eos=True).token_ids
+    assert s.generate(PROMPT, max_new_tokens=40, ignore_eos=True).token_ids == plain
+    with pytest.raises(GenerationError):
+        s.generate(PROMPT, max_new_tokens=10, top_p=2.0)
+    assert s.generate("class Point:\n", max_new_tokens=25, ignore_eos=True).token_ids == other
+    assert s.generate(PROMPT, max_new_tokens=40, ignore_eos=True).token_ids == plain
+
+
+def test_sampled_output_with_the_mtp_head_has_the_targets_distribution(target, head):
+    """First and second emitted tokens against the target's exact marginals (the second by enumerating
+    the first), over many seeds: accepted, recovered and bonus paths all feed the counts."""
+    params = SamplingParams(temperature=1.0)
+    prompt = [5, 17, 42, 9]
+    ref = KVModel(compile(target, CFG))
+    p1 = probs(ref.forward(prompt)[-1], params)[0]
+    p2 = np.zeros_like(p1)
+    for x in np.flatnonzero(p1 > 1e-7):
+        ref.commit(len(prompt))
+        p2 += p1[x] * probs(ref.forward([int(x)])[0], params)[0]
+    p2 /= p2.sum()
+    draws = 5000
+    s = Session(target, MtpHead(head, CFG), CFG, k=2)
+    first, second = np.zeros_like(p1), np.zeros_like(p2)
+    for i in range(draws):
+        t = s.generate(prompt, max_new_tokens=2, temperature=1.0, seed=i, ignore_eos=True).token_ids
+        first[t[0]] += 1
+        second[t[1]] += 1
+    assert s.stats.accepted > 0 and s.stats.acceptance_rate < 0.95
+    for counts, p in ((first, p1), (second, p2)):
+        expected = p * draws
+        big = expected >= 5
+        obs, exp = counts[big], expected[big]
+        if (~big).any():  # pool the rare tokens into one cell
+            obs, exp = np.append(obs, counts[~big].sum()), np.append(exp, expected[~big].sum())
+        assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+
+
+def test_head_on_its_own_session_settings(target, head, plain):
+    """The head compiles with its own config (on a GPU machine: another provider); its state and the
+    target's hidden rows are host arrays, so they cross between the two sessions as numpy."""
+    head_cfg = Config(intra_op_threads=2, graph_optimization="disable", cache=False)
+    s = Session(target, MtpHead(head, head_cfg), CFG, k=4)
+    assert s.generate(PROMPT, max_new_tokens=40, ignore_eos=True).token_ids == plain
+    assert s.speculator.model.graph.session.get_session_options().intra_op_num_threads == 2
+
+
+def test_bad_bindings_are_clear_errors(exported, head):
+    with pytest.raises(GenerationError, match="--with-hidden-states"):
+        Session(exported("llama", seed=0), MtpHead(head, CFG), CFG)
+    with pytest.raises(ModelFormatError, match="draft head"):
+        Session(head, None, CFG)
+    with pytest.raises(ModelFormatError, match="draft head"):
+        DraftModel(head, CFG)
+    with pytest.raises(ModelFormatError, match="not an MTP head"):
+        MtpHead(exported("llama", seed=0), CFG)
+    with pytest.raises(GenerationError, match="recurrent"):
+        Session(exported("mamba", seed=0), MtpHead(head, CFG), CFG)
+    with pytest.raises(GenerationError, match="hidden states of size 64, the target's are 32"):
+        Session(exported("llama", seed=3, with_hidden=True, hidden=32), MtpHead(head, CFG), CFG)
