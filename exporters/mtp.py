@@ -32,6 +32,7 @@ from rlxrt.manifest import Manifest, StateLayout, StateTensor
 
 from .deps import versions
 from .validate import TOLERANCE, compare
+from .variants import store_weights_fp16
 
 CHUNK = 32
 GRAPH = "model.onnx"
@@ -139,7 +140,7 @@ def head_manifest(cfg: HeadConfig, target: Manifest, validation: dict) -> Manife
         outputs={"logits": "logits", "hidden_states": "hidden_out"}, kv_cache=None,
         state=StateLayout((StateTensor("state", "states", (cfg.state_size,), "float32"),), CHUNK),
         bos_token_id=target.bos_token_id, eos_token_ids=target.eos_token_ids, pad_token_id=target.pad_token_id,
-        tokenizer=None, source={"task": "mtp-head", "config": asdict(cfg)}, versions=versions(),
+        tokenizer=None, source={"task": "mtp-head", "config": asdict(cfg), "weights_stored_as": "float16"}, versions=versions(),
         validation=validation,
         draft_head={"kind": "mtp", "hidden_size": cfg.hidden_size,
                     "target": {k: target.source.get(k) for k in ("path_or_id", "weights_sha256")}})
@@ -168,9 +169,14 @@ def validate_head(torch, head, run, tolerance: float = TOLERANCE["float32"], pro
 
 def write_head(torch, head, cfg: HeadConfig, target: Manifest, out: Path, run_for) -> Manifest:
     """Export ``head`` into the model directory ``out``, validated; ``run_for(graph_path)`` gives a
-    ``run(feeds) -> {name: array}`` (``rlxrt.exporters.mtp_runner``)."""
+    ``run(feeds) -> {name: array}`` (``rlxrt.api.runner``). The weights are rounded to float16 and
+    stored so (half the file); the graph computes in float32."""
     out.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():  # weights on the float16 grid: stored as float16, computed in float32, validated as is
+        for p in head.parameters():
+            p.copy_(p.half().float())
     export_head(torch, head, out / GRAPH)
+    store_weights_fp16(out / GRAPH)
     record = validate_head(torch, head, run_for(out / GRAPH))
     if not record["passed"]:
         raise ExportError(f"MTP head validation failed: ORT and torch differ ({record}); nothing usable was written")

@@ -78,9 +78,10 @@ def step_times(target, draft, ks: list[int], context: int, repeats: int = 60) ->
 
 def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, max_new_tokens: int = 128,
               repeats: int = 3, temperatures=(0.0, 0.7), ks=(2, 4, 6), threads: int = 1,
-              hf_dirs: tuple[Path, Path] | None = None, progress: bool = True) -> dict[str, Any]:
+              hf_dirs: tuple[Path, Path] | None = None, progress: bool = True,
+              head_dir: Path | None = None) -> dict[str, Any]:
     from .config import Config
-    from .sessions import DraftModel, PromptLookup, Session
+    from .sessions import DraftModel, MtpHead, PromptLookup, Session
 
     config = Config(intra_op_threads=threads, providers=("cpu",))
     from .backends import compile
@@ -91,6 +92,9 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
     if draft_graph is not None:
         specs += [Spec(f"draft k={k}", lambda: DraftModel(draft_graph), k=k) for k in ks]
         specs.append(Spec("draft adaptive", lambda: DraftModel(draft_graph), k=max(ks) // 2 or 1, adaptive=True))
+    if head_dir is not None:
+        head_graph = compile(head_dir, config)
+        specs += [Spec(f"mtp k={k}", lambda: MtpHead(head_graph), k=k) for k in ks]
     specs.append(Spec("prompt lookup k=4", lambda: PromptLookup(), k=4))
     sessions = {s.name: Session(target_graph, s.make(), k=s.k, adaptive_k=s.adaptive, k_max=max(ks) + 2)
                 for s in specs}
@@ -103,6 +107,7 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
     total = len(temperatures) * repeats * len(prompts) * len(names)
     bar = Progress(total, progress)
     results: dict[str, Any] = {"config": {"target": str(target_dir), "draft": str(draft_dir) if draft_dir else None,
+                                          "head": str(head_dir) if head_dir else None,
                                           "prompts": len(prompts), "max_new_tokens": max_new_tokens,
                                           "repeats": repeats, "threads": threads, "ks": list(ks)},
                                "temperatures": {}}

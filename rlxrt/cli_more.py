@@ -51,15 +51,19 @@ def _prompt(args: argparse.Namespace) -> str:
 def cmd_generate(args: argparse.Namespace) -> int:
     from .cli import _config
     from .errors import GenerationError
-    from .sessions import DraftModel, PromptLookup, Session
+    from .sessions import DraftModel, MtpHead, PromptLookup, Session
 
     prompt = _prompt(args)
     config = _config(args)
     if args.draft and args.speculator not in (None, "draft"):
         raise GenerationError(f"--draft and --speculator {args.speculator} exclude each other")
+    if args.head and args.speculator not in (None, "mtp"):
+        raise GenerationError(f"--head and --speculator {args.speculator} exclude each other")
+    draft_config = config.with_overrides(providers=args.draft_providers) if args.draft_providers else config
     if args.draft:
-        draft_config = config.with_overrides(providers=args.draft_providers) if args.draft_providers else config
         spec = DraftModel(args.draft, draft_config)
+    elif args.head or args.speculator == "mtp":
+        spec = MtpHead(_head(args.head, args.target), draft_config)
     elif args.speculator == "prompt-lookup":
         spec = PromptLookup()
     elif args.speculator == "draft":
@@ -83,6 +87,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     g = session.last
     print(f"[{g.finish_reason}] {g.stats.summary()}; providers {g.stats.providers}", file=sys.stderr)
     return 0
+
+
+def _head(head: str | None, target: str | None):
+    """--head, or the shipped MTP head when the target is the shipped one."""
+    from pathlib import Path
+
+    from .errors import GenerationError
+    from .reference import reference_head, reference_pair
+
+    if head:
+        return Path(head)
+    shipped = reference_head()
+    if shipped is not None and (target is None or Path(target).resolve() == reference_pair()[0].resolve()):
+        return shipped
+    raise GenerationError("--speculator mtp needs --head DIR (an MTP head trained for this target); only the "
+                          "shipped reference target comes with one")
 
 
 def _pair(args: argparse.Namespace):
@@ -130,6 +150,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .bench import format_table, run_bench, write_outputs
+    from .reference import reference_head
 
     target, draft = _pair(args)
     prompts = _prompts(args, args.prompts)
@@ -153,8 +174,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 print("rlxrt: torch/transformers not installed; skipping the Hugging Face peers", file=sys.stderr)
     temps = [float(t) for t in args.temperatures.split(",")]
     ks = [int(k) for k in args.ks.split(",")]
+    head = None if args.no_head else Path(args.head) if args.head else None if args.target else reference_head()
     res = run_bench(target, draft, prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                    temperatures=temps, ks=ks, threads=args.threads, hf_dirs=hf, progress=not args.quiet)
+                    temperatures=temps, ks=ks, threads=args.threads, hf_dirs=hf, progress=not args.quiet,
+                    head_dir=head)
     js, png = write_outputs(res, Path(args.out))
     print(format_table(res))
     print(f"wrote {js}" + (f" and {png}" if png else " (no PNG: matplotlib is not installed)"))
@@ -179,8 +202,11 @@ def add_commands(add, runtime_flags) -> None:
     p = add("generate", cmd_generate, "generate text with a target model, sped up by a draft or prompt lookup")
     p.add_argument("--target", required=True, help="target model directory (made by `rlxrt export`)")
     p.add_argument("--draft", help="draft model directory (same tokenizer as the target)")
-    p.add_argument("--speculator", choices=["draft", "prompt-lookup", "none"],
-                   help="what drafts tokens (default: the --draft model if given, else none = plain decoding)")
+    p.add_argument("--head", help="MTP head directory (drafts from the target's hidden states; the target "
+                                  "must be exported with --with-hidden-states)")
+    p.add_argument("--speculator", choices=["draft", "prompt-lookup", "mtp", "none"],
+                   help="what drafts tokens (default: the --draft model or --head if given, else none = plain "
+                        "decoding; mtp without --head: the shipped head, for the shipped target)")
     p.add_argument("-k", type=int, help="tokens drafted per round, 1..32 (default 4)")
     p.add_argument("--adaptive-k", action="store_true", help="grow k after full acceptance, shrink after rejection")
     p.add_argument("--prompt", help="the prompt text")
@@ -192,7 +218,7 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
-    p.add_argument("--draft-providers", help="providers for the draft model (default: as the target)")
+    p.add_argument("--draft-providers", help="providers for the draft model or head (default: as the target)")
     runtime_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
 
@@ -219,5 +245,7 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("--hf-target", help="Hugging Face weights of the target, for the transformers peers")
     p.add_argument("--hf-draft", help="Hugging Face weights of the draft")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
+    p.add_argument("--head", help="MTP head for the target (default: the shipped head with the shipped pair)")
+    p.add_argument("--no-head", action="store_true", help="skip the MTP head rows")
     p.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -19,6 +19,12 @@ def reference_pair() -> tuple[Path, Path]:
     return target, draft
 
 
+def reference_head() -> Path | None:
+    """The MTP head trained for the shipped target (None if this install lacks it)."""
+    head = REFERENCE / "mtp"
+    return head if (head / "rlxrt.json").is_file() else None
+
+
 def reference_prompts() -> list[str]:
     path = REFERENCE / "prompts.json"
     if not path.is_file():

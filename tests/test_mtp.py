@@ -90,6 +90,11 @@ def test_head_export_is_validated_and_declares_its_state(head, target):
     assert (state.input, state.output, state.shape) == ("state", "states", (24,))
     v = m.validation
     assert v["passed"] and v["max_abs_diff"] < 1e-4 and v["max_abs_diff_state"] < 1e-5
+    import onnx
+
+    weights = onnx.load(str(head / "model.onnx")).graph.initializer
+    big = [w for w in weights if len(w.dims) == 2]
+    assert big and all(w.data_type == onnx.TensorProto.FLOAT16 for w in big)  # stored as float16, run as float32
 
 
 def sequential_state(head_dir, tokens):

@@ -1,8 +1,11 @@
 """Export the trained reference pair and install it as rlxrt's shipped assets.
 
-    python -m rlxrt.exporters.reference.build WORK
+    python -m rlxrt.exporters.reference.build WORK          # target, draft, prompts, recipe
+    python -m rlxrt.exporters.reference.build WORK --mtp    # the MTP head (after train_mtp)
 
-Writes rlxrt/assets/reference/{target,draft} (ONNX, manifest, tokenizer),
+Writes rlxrt/assets/reference/{target,draft} (ONNX, manifest, tokenizer; the
+target with its last hidden state as an output, for the MTP head),
+rlxrt/assets/reference/mtp (the head trained by train_mtp.py),
 rlxrt/assets/reference/prompts.json (held-out prompts) and recipe.json (the
 training summary), and the fp16 torch weights to exporters/reference/weights
 (for the Hugging Face peers of ``rlxrt bench``; not part of the wheel).
@@ -14,6 +17,8 @@ import re
 import shutil
 import sys
 from pathlib import Path
+
+import numpy as np
 
 from .corpus import evaluation_files
 
@@ -71,7 +76,8 @@ def main(work_dir: str) -> None:
         src = work / role
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy2(work / "tokenizer" / f, src / f)
-        res = rlxrt.export(src, ASSETS / role, force=True, report=lambda s: print(f"  {role} {s}"))
+        res = rlxrt.export(src, ASSETS / role, force=True, report=lambda s: print(f"  {role} {s}"),
+                           with_hidden_states=role == "target")
         print(f"{role}: validation {res.manifest.validation}")
         # the fp16 weights-only checkpoint, for the torch peers and for resuming the recipe
         import transformers as tf
@@ -96,5 +102,43 @@ def main(work_dir: str) -> None:
     print(f"installed into {ASSETS}")
 
 
+def build_mtp(work_dir: str) -> None:
+    """Write the head trained by train_mtp.py (WORK/mtp.pt) for the shipped target, validated."""
+    import torch
+    import transformers as tf
+
+    import rlxrt
+    from rlxrt.api import runner
+
+    from ..mtp import HeadConfig, build_head, write_head
+    from .train_mtp import heldout_agreement
+
+    work = Path(work_dir)
+    saved = torch.load(work / "mtp.pt", weights_only=False)
+    cfg = HeadConfig(**saved["config"])
+    target = tf.LlamaForCausalLM.from_pretrained(str(work / "target"), dtype=torch.float32).eval()
+    head = build_head(torch, cfg, target.get_input_embeddings().weight)
+    missing = head.load_state_dict(saved["state_dict"], strict=False)
+    assert set(missing.missing_keys) <= {"embed"} and not missing.unexpected_keys, missing
+    out = ASSETS / "mtp"
+    shutil.rmtree(out, ignore_errors=True)
+    manifest = write_head(torch, head, cfg, rlxrt.Manifest.load(ASSETS / "target"), out, runner)
+    print(f"mtp head: validation {manifest.validation}")
+    recipe = json.loads((ASSETS / "recipe.json").read_text())
+    recipe["mtp"] = {**_mtp_summary(work), **heldout_agreement(torch, head, target, np.load(work / "heldout.npy"))}
+    (ASSETS / "recipe.json").write_text(json.dumps(recipe, indent=1) + "\n")
+    print(f"installed {out}")
+
+
+def _mtp_summary(work: Path) -> dict:
+    recs = [json.loads(line) for line in (work / "mtp.log.jsonl").read_text().splitlines()]
+    last = recs[-1]
+    return {"steps": last["step"], "tokens": last["tokens"], "train_seconds": last["elapsed_s"],
+            "final_train_kl1": last["kl1"], "final_train_kl2": last["kl2"]}
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if "--mtp" in sys.argv[2:]:
+        build_mtp(sys.argv[1])
+    else:
+        main(sys.argv[1])

@@ -29,7 +29,8 @@ REGRESSION = 1.0
 
 
 def losses(torch, head, target, x):
-    """x [B, T+1] token ids -> (first-step KL, second-step KL, hidden regression, first-step agreement)."""
+    """x [B, T+1] token ids -> first-step KL, chained-step KL, hidden regression, and the argmax agreement
+    with the target of the first and the chained step."""
     F = torch.nn.functional
     with torch.no_grad():
         h = target.model(input_ids=x[:, :-1]).last_hidden_state         # [B, T, H], after the final norm
@@ -42,7 +43,17 @@ def losses(torch, head, target, x):
     logits2, _ = head.mix(hid1[:, :-1], e[:, 1:], states[:, 1:])           # chained: own hidden, token x_{p+2}
     kl2 = (t_logp[:, 2:].exp() * (t_logp[:, 2:] - torch.log_softmax(logits2, -1))).sum(-1).mean()
     agree = (logits1.argmax(-1) == t_logp[:, 1:].argmax(-1)).float().mean()
-    return kl1, kl2, reg, agree
+    agree2 = (logits2.argmax(-1) == t_logp[:, 2:].argmax(-1)).float().mean()
+    return kl1, kl2, reg, agree, agree2
+
+
+def heldout_agreement(torch, head, target, held: np.ndarray, windows: int = 16) -> dict:
+    """Held-out KLs and how often the head's argmax is the target's, for the first and the chained step."""
+    x = torch.from_numpy(batches(held, np.random.default_rng(0), windows))
+    with torch.no_grad():
+        kl1, kl2, _, a1, a2 = losses(torch, head, target, x)
+    return {"heldout_kl1": round(kl1.item(), 4), "heldout_kl2": round(kl2.item(), 4),
+            "heldout_agree1": round(a1.item(), 4), "heldout_agree2": round(a2.item(), 4)}
 
 
 def main() -> None:
@@ -72,12 +83,11 @@ def main() -> None:
     rng = np.random.default_rng(SEED)
     log = open(work / "mtp.log.jsonl", "w")
     t0 = time.time()
-    held_x = torch.from_numpy(batches(held, np.random.default_rng(0), 16))
     for step in range(1, args.steps + 1):
         x = torch.from_numpy(batches(data, rng, args.batch))
         for g in opt.param_groups:
             g["lr"] = lr_at(step - 1, args.steps, LR, warmup=50)
-        kl1, kl2, reg, agree = losses(torch, head, target, x)
+        kl1, kl2, reg, agree, _ = losses(torch, head, target, x)
         loss = kl1 + SECOND_STEP * kl2 + REGRESSION * reg
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -87,10 +97,7 @@ def main() -> None:
                "agree1": round(agree.item(), 4), "tokens": step * args.batch * 512,
                "elapsed_s": round(time.time() - t0, 1)}
         if step % 100 == 0 or step == args.steps:
-            with torch.no_grad():
-                hk1, hk2, _, hagree = losses(torch, head, target, held_x)
-            rec.update(heldout_kl1=round(hk1.item(), 4), heldout_kl2=round(hk2.item(), 4),
-                       heldout_agree1=round(hagree.item(), 4))
+            rec.update(heldout_agreement(torch, head, target, held))
             print(json.dumps(rec), flush=True)
         log.write(json.dumps(rec) + "\n")
         log.flush()
