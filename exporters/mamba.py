@@ -62,21 +62,22 @@ def _wrapper(torch, model):
             if mix.use_conv_bias:
                 conv = conv + mix.conv1d.bias[None, :, None]
             x = mix.act(conv)                                            # [1, D, s]
-            params = mix.x_proj(x.transpose(1, 2))
+            xt = x[0].t()                                                # [s, D], time-major from here
+            params = mix.x_proj(xt)
             dt, B, C = torch.split(params, [mix.time_step_rank, mix.ssm_state_size, mix.ssm_state_size], dim=-1)
-            dt = nn.functional.softplus(mix.dt_proj(dt)).transpose(1, 2)  # [1, D, s]
+            dt = nn.functional.softplus(mix.dt_proj(dt))                 # [s, D]
             A = -torch.exp(mix.A_log.float())                            # [D, N]
-            log_a = A[None, :, None, :] * dt[:, :, :, None]              # [1, D, s, N]
-            dbu = dt[:, :, :, None] * B[:, None, :, :] * x[:, :, :, None]
-            S = torch.cumsum(log_a, dim=2)
+            d, n = A.shape
+            S = torch.cumsum(dt[:, :, None] * A[None], dim=0).reshape(s, d * n)   # [s, D*N], decreasing in t
+            dbu = ((dt * xt)[:, :, None] * B[:, None, :]).reshape(1, s, d * n)   # [1, u, D*N]
             pos = torch.arange(s)
             mask = torch.zeros(s, s).masked_fill(pos[None, :] > pos[:, None], -torch.inf)[:, :, None]  # [t, u, 1]
-            w = torch.exp(S[:, :, :, None, :] - S[:, :, None, :, :] + mask)  # [1, D, t, u, N], exponents <= 0
-            hs = (w * dbu[:, :, None, :, :]).sum(3) + torch.exp(S) * ssm0[:, :, None, :]  # [1, D, s, N]
-            y = (hs * C[:, None, :, :]).sum(-1) + x * mix.D[None, :, None]
-            y = y * mix.act(gate)
-            out = mix.out_proj(y.transpose(1, 2))
-            return out, windows.permute(2, 0, 1, 3), hs.permute(2, 0, 1, 3)
+            w = torch.exp(S[:, None, :] - S[None, :, :] + mask)         # [t, u, D*N], exponents <= 0
+            hs = ((w * dbu).sum(1) + torch.exp(S) * ssm0.reshape(1, d * n)).reshape(s, d, n)  # [s, D, N]
+            y = (hs * C[:, None, :]).sum(-1) + xt * mix.D[None, :]        # [s, D]
+            y = y * mix.act(gate[0].t())
+            out = mix.out_proj(y)[None]
+            return out, windows.permute(2, 0, 1, 3), hs[:, None]
 
         def forward(self, input_ids, conv_state, ssm_state):
             bb = self.m.backbone

@@ -44,3 +44,38 @@ def test_demo_runs_end_to_end():
     assert r.returncode == 0, r.stderr
     assert "output identical to plain greedy decoding: yes" in r.stdout
     assert "tok/s" in r.stdout and "acceptance" in r.stdout
+
+
+def test_shipped_mtp_head_is_exact_and_agrees_often():
+    from rlxrt.reference import reference_head
+    from rlxrt.sessions import MtpHead, Session
+
+    head = reference_head()
+    assert head is not None and Manifest.load(head).validation["passed"]
+    target, _ = reference_pair()
+    assert Manifest.load(target).outputs["hidden_states"] == "hidden_states"
+    assert Manifest.load(head).draft_head["target"]["weights_sha256"] == Manifest.load(target).source["weights_sha256"]
+    cfg = Config(intra_op_threads=1, cache=False)
+    prompt = reference_prompts()[2]
+    plain = Session(target, None, cfg).generate(prompt, max_new_tokens=48, ignore_eos=True)
+    for k in (1, 3, 5):
+        g = Session(target, MtpHead(head, cfg), cfg, k=k).generate(prompt, max_new_tokens=48, ignore_eos=True)
+        assert g.token_ids == plain.token_ids
+        assert g.stats.acceptance_rate > 0.3 and g.stats.bonus > 0  # trained: full acceptances happen
+
+
+def test_generate_cli_with_the_shipped_mtp_head():
+    import json
+
+    target, _ = reference_pair()
+    code = "import sys; sys.modules['torch'] = None\nfrom rlxrt.cli import main\nsys.exit(main(sys.argv[1:]))"
+    args = ["generate", "--target", str(target), "--speculator", "mtp", "--prompt", "def read(path):",
+            "--max-new-tokens", "16", "--ignore-eos", "--json"]
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["token_ids"]) == 16 and out["stats"]["speculator"] == "mtp-head"
+    plain = subprocess.run([sys.executable, "-c", code, *args[:3], "--prompt", "def read(path):",
+                            "--max-new-tokens", "16", "--ignore-eos", "--json"],
+                           capture_output=True, text=True, env=ENV, timeout=300)
+    assert json.loads(plain.stdout)["token_ids"] == out["token_ids"]
