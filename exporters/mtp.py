@@ -124,8 +124,10 @@ def export_head(torch, head, path) -> None:
     args = (torch.zeros((1, 3), dtype=torch.long), torch.zeros((1, 3, H)), torch.zeros(R))
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the TorchScript exporter is deprecated but exports this loop-free graph
+        # no constant folding: it would store the output embedding a second time, transposed (ORT folds
+        # the transposes when it loads the graph)
         torch.onnx.export(head.eval(), args, str(path), input_names=list(INPUTS), output_names=list(OUTPUTS),
-                          opset_version=17, dynamo=False,
+                          opset_version=17, dynamo=False, do_constant_folding=False,
                           dynamic_axes={"input_ids": {1: "s"}, "hidden_states": {1: "s"}, "logits": {1: "s"},
                                         "hidden_out": {1: "s"}, "states": {0: "s"}})
 

@@ -61,7 +61,9 @@ def test_shipped_mtp_head_is_exact_and_agrees_often():
     for k in (1, 3, 5):
         g = Session(target, MtpHead(head, cfg), cfg, k=k).generate(prompt, max_new_tokens=48, ignore_eos=True)
         assert g.token_ids == plain.token_ids
-        assert g.stats.acceptance_rate > 0.3 and g.stats.bonus > 0  # trained: full acceptances happen
+        assert g.stats.bonus > 0  # trained: full acceptances happen (and commit after them)
+        if k == 1:
+            assert g.stats.acceptance_rate > 0.5  # the first proposal agrees with the target most of the time
 
 
 def test_generate_cli_with_the_shipped_mtp_head():
