@@ -13,12 +13,18 @@ the head predicted itself, so after a verification the state at the last
 accepted position is exact: commit selects it from the per-position states
 and never re-runs the head.
 
+Only the last fed position's outputs are ever used (the first proposal of a
+round, or the next link of a chain; a prefill needs only the state), so the
+graph reads the hidden state of the last position and computes the output
+head there alone; the state path runs over every position.
+
 Graph interface (H = hidden size, R = state size)::
 
-    inputs   input_ids [1, s] int64        x_{p+1} for each position p
-             hidden_states [1, s, H]       h_p (the target's, or the head's own when chaining)
+    inputs   input_ids [1, s] int64        x_{p+1} for each fed position p
+             hidden_states [1, 1, H]       h_p of the LAST position (the target's, or the head's own)
              state [R]                     the state before the first position
-    outputs  logits [1, s, V], hidden_out [1, s, H], states [s, R]
+    outputs  logits [1, 1, V], hidden_out [1, 1, H]   of the last position
+             states [s, R]                 the state after each position
 """
 from __future__ import annotations
 
@@ -102,7 +108,7 @@ def build_head(torch, cfg: HeadConfig, embedding, unembedding=None):
             return torch.stack(out, dim=1)
 
         def forward(self, input_ids, hidden_states, state):
-            """Graph form: one sequence of s <= CHUNK positions, the scan in closed form."""
+            """Graph form: s <= CHUNK positions, the scan in closed form, the output head at the last one."""
             e, log_a, b = self.gates(input_ids[0])                     # [s, H], [s, R], [s, R]
             s = input_ids.shape[1]
             S = torch.cumsum(log_a, dim=0)                               # [s, R], decreasing
@@ -110,7 +116,7 @@ def build_head(torch, cfg: HeadConfig, embedding, unembedding=None):
             mask = torch.zeros(s, s).masked_fill(pos[None, :] > pos[:, None], -torch.inf)[:, :, None]
             w = torch.exp(S[:, None, :] - S[None, :, :] + mask)          # [t, u, R], exponents <= 0
             states = (w * b[None, :, :]).sum(1) + torch.exp(S) * state[None, :]
-            logits, hid = self.mix(hidden_states[0], e, states)
+            logits, hid = self.mix(hidden_states[0], e[-1:], states[-1:])
             return logits[None], hid[None], states
 
     return MtpHead()
@@ -121,15 +127,14 @@ def export_head(torch, head, path) -> None:
 
     H = head.embed.shape[1]
     R = head.state_out.in_features
-    args = (torch.zeros((1, 3), dtype=torch.long), torch.zeros((1, 3, H)), torch.zeros(R))
+    args = (torch.zeros((1, 3), dtype=torch.long), torch.zeros((1, 1, H)), torch.zeros(R))
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the TorchScript exporter is deprecated but exports this loop-free graph
         # no constant folding: it would store the output embedding a second time, transposed (ORT folds
         # the transposes when it loads the graph)
         torch.onnx.export(head.eval(), args, str(path), input_names=list(INPUTS), output_names=list(OUTPUTS),
                           opset_version=17, dynamo=False, do_constant_folding=False,
-                          dynamic_axes={"input_ids": {1: "s"}, "hidden_states": {1: "s"}, "logits": {1: "s"},
-                                        "hidden_out": {1: "s"}, "states": {0: "s"}})
+                          dynamic_axes={"input_ids": {1: "s"}, "states": {0: "s"}})
 
 
 def head_manifest(cfg: HeadConfig, target: Manifest, validation: dict) -> Manifest:
@@ -151,7 +156,8 @@ def head_manifest(cfg: HeadConfig, target: Manifest, validation: dict) -> Manife
 def validate_head(torch, head, run, tolerance: float = TOLERANCE["float32"], prompt_len: int = 8,
                   step_len: int = 4) -> dict:
     """ORT vs the torch head run sequentially (its training form): a prefill from zero state,
-    then a step from the prefill's last state; logits, hidden outputs and states."""
+    then a step from the prefill's last state; the last position's logits and hidden output, and
+    the states of all positions."""
     H, R = head.embed.shape[1], head.state_out.in_features
     rng = np.random.default_rng(0)
     ids = rng.integers(0, head.embed.shape[0], size=(1, prompt_len + step_len), dtype=np.int64)
@@ -160,13 +166,15 @@ def validate_head(torch, head, run, tolerance: float = TOLERANCE["float32"], pro
         e, log_a, b = head.gates(torch.from_numpy(ids))
         states = head.scan_loop(log_a, b, torch.zeros(1, R))
         ref, ref_hid = head.mix(torch.from_numpy(hidden), e, states)
-    a = run({"input_ids": ids[:, :prompt_len], "hidden_states": hidden[:, :prompt_len],
+    end = prompt_len + step_len
+    a = run({"input_ids": ids[:, :prompt_len], "hidden_states": hidden[:, prompt_len - 1:prompt_len],
              "state": np.zeros(R, np.float32)})
-    c = run({"input_ids": ids[:, prompt_len:], "hidden_states": hidden[:, prompt_len:], "state": a["states"][-1]})
+    c = run({"input_ids": ids[:, prompt_len:], "hidden_states": hidden[:, end - 1:], "state": a["states"][-1]})
+    last = [prompt_len - 1, end - 1]
     diffs = {"max_abs_diff_hidden": float(np.abs(np.concatenate([a["hidden_out"], c["hidden_out"]], 1)
-                                                 - ref_hid.numpy()).max()),
+                                                 - ref_hid.numpy()[:, last]).max()),
              "max_abs_diff_state": float(np.abs(np.concatenate([a["states"], c["states"]]) - states[0].numpy()).max())}
-    return compare(a["logits"], c["logits"], ref.numpy(), tolerance, **diffs)
+    return compare(a["logits"], c["logits"], ref.numpy()[:, last], tolerance, **diffs)
 
 
 def write_head(torch, head, cfg: HeadConfig, target: Manifest, out: Path, run_for) -> Manifest:

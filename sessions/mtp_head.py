@@ -5,10 +5,10 @@ proposes x_{p+2}; the next chained step reads the head's own predicted hidden
 state and the token it just proposed. The head's recurrent state depends on
 the tokens only, so the per-position states of a round are exact for every
 accepted token: ``commit`` keeps the state at the last accepted position and
-drops the rest (no re-run). The target's true hidden states of the positions
-the head has not consumed yet (the pending token's, and after a full
-acceptance the last draft's too) are kept and fed at the next ``propose``,
-with the tokens, in one call.
+drops the rest (no re-run). What the head has not read yet (the pending token,
+and after a full acceptance the last draft too) is fed at the next
+``propose`` in one call, with the target's hidden state of the position
+before the pending token: the verify row that produced it.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from .state import StateModel
 
 class MtpHead:
     name = "mtp-head"
-    default_k = 3
+    default_k = 4
 
     def __init__(self, head: str | os.PathLike | CompiledGraph, config: Config | None = None):
         graph = head if isinstance(head, CompiledGraph) else compile(head, config)
@@ -63,25 +63,23 @@ class MtpHead:
 
     def reset(self) -> None:
         self.model.reset()
-        self.rows = np.zeros((0, self.hidden_size), np.float32)
-        """The target's hidden states of head positions ``row_start`` .. (committed tokens - 2), not yet fed."""
-        self.row_start = 0
+        self.last: np.ndarray | None = None
+        """[1, H]: the target's hidden state of the position before the pending token (None: none yet)."""
 
     def prefill(self, ctx: Context) -> None:
-        """Consume the prompt's tokens (all but the pending one) with the target's prefill hidden states."""
+        """Read the prompt's tokens but the pending one; keep the target's hidden state before it."""
         h = self.target.hidden  # rows of prompt positions 0 .. n-2
         n = len(ctx.tokens)
         if n > 2:
-            self.model.forward(ctx.tokens[1:n - 1], h[:n - 2])
-        self.rows, self.row_start = h[n - 2:n - 1], self.model.length
+            self.model.forward(ctx.tokens[1:n - 1], h[n - 3:n - 2])  # only the state is used
+        self.last = h[n - 2:n - 1]
 
     def propose(self, ctx: Context, k: int) -> DraftProposal:
         m = self.model
         k = min(k, m.max_positions - len(ctx.tokens))
-        if k <= 0 or not len(self.rows):  # a one-token prompt: no hidden state before the first round
+        if k <= 0 or self.last is None:  # a one-token prompt: no hidden state before the first round
             return DraftProposal(np.zeros(0, np.int64))
-        logits = m.forward(ctx.tokens[m.length + 1:], self.rows)[-1]
-        hidden = m.hidden[-1:]
+        logits = m.forward(ctx.tokens[m.length + 1:], self.last)[0]
         tokens = np.empty(k, np.int64)
         greedy = ctx.params.greedy
         rows = None if greedy else np.empty((k, m.vocab_size))
@@ -93,19 +91,12 @@ class MtpHead:
                 x = sample(rows[i], ctx.rng)
             tokens[i] = x
             if i + 1 < k:
-                logits = m.forward((x,), hidden)[0]
-                hidden = m.hidden
+                logits = m.forward((x,), m.hidden)[0]
         return DraftProposal(tokens, rows)
 
     def commit(self, ctx: Context, decision: AcceptDecision, verify: VerifyResult) -> None:
-        n_new = len(ctx.tokens)
-        first = n_new - len(decision.tokens) - 1  # head position of verify row 0 (the old pending token's)
-        start = self.row_start
-        keep = min(n_new - 2, self.model.length)
-        self.model.commit(keep)
         if verify.hidden is None:
             raise GenerationError("the target returned no hidden states; bind the head before generating")
-        old = self.rows[max(0, keep - start):max(0, first - start)]
-        new = verify.hidden[max(0, keep - first):n_new - 1 - first]
-        self.rows = np.concatenate([old, new]) if len(old) else new
-        self.row_start = keep
+        self.model.commit(min(len(ctx.tokens) - 2, self.model.length))
+        j = len(decision.tokens) - 1  # the verify row that produced the new pending token
+        self.last = verify.hidden[j:j + 1]

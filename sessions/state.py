@@ -5,9 +5,10 @@ returns the state after EACH token it was fed (manifest ``state``), and this
 model keeps those states for every position since the last commit; a commit
 to length n selects the state after token n-1 and forgets the rest, so a
 rejected draft costs no re-run. Inputs longer than the graph's
-``max_tokens_per_call`` are fed in chunks. A graph with a per-position
-``hidden_states`` input (a draft head) is fed those rows beside the tokens,
-and one with a ``hidden_states`` output leaves its rows in ``hidden``.
+``max_tokens_per_call`` are fed in chunks. A draft head (a ``hidden_states``
+input) reads the hidden state of the last fed position and returns the
+logits and hidden state of that position only; a graph with a
+``hidden_states`` output leaves its rows in ``hidden``.
 """
 from __future__ import annotations
 
@@ -57,23 +58,24 @@ class StateModel(GraphModel):
         return self._states[length]
 
     def forward(self, tokens, hidden: np.ndarray | None = None) -> np.ndarray:
-        """Feed ``tokens`` (and ``hidden`` [s, H] rows, for a head) after the first ``length``;
-        returns their logits [s, V]."""
+        """Feed ``tokens`` after the first ``length``; returns their logits [s, V]. A head is given
+        ``hidden`` [1, H], the last position's hidden state, and returns that position's logits [1, V]."""
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         start = self.length
         if start + len(ids) > self.max_positions:
             raise GenerationError(f"sequence of {start + len(ids)} tokens exceeds the model's max positions "
                                   f"({self.max_positions})")
-        if self.hidden_in is not None and (hidden is None or len(hidden) != len(ids)):
-            raise GenerationError(f"{self.graph.path}: this graph reads a hidden state per token; got "
-                                  f"{None if hidden is None else len(hidden)} rows for {len(ids)} tokens")
+        if self.hidden_in is not None and (hidden is None or len(hidden) != 1):
+            raise GenerationError(f"{self.graph.path}: a draft head reads the hidden state of the last fed "
+                                  f"position, one row; got {None if hidden is None else len(hidden)}")
         state = self.state(start)
         rows, hid = [], []
         for c in range(0, len(ids), self.chunk):
             part = ids[c:c + self.chunk]
             feeds = {self.ids_name: part[None]}
-            if self.hidden_in is not None:
-                feeds[self.hidden_in] = np.asarray(hidden[c:c + self.chunk], np.float32)[None]
+            if self.hidden_in is not None:  # earlier chunks only build the state; their outputs are dropped
+                last = c + self.chunk >= len(ids)
+                feeds[self.hidden_in] = np.asarray(hidden if last else np.zeros_like(hidden), np.float32)[None]
             feeds.update(zip(self.state_inputs, state))
             out = self._run(self.output_names, feeds)
             rows.append(out[0][0])
@@ -86,7 +88,9 @@ class StateModel(GraphModel):
             state = self._states[base + len(part)]
         self.length = start + len(ids)
         if hid:
-            self.hidden = hid[0] if len(hid) == 1 else np.concatenate(hid)
+            self.hidden = hid[-1] if self.hidden_in is not None or len(hid) == 1 else np.concatenate(hid)
+        if self.hidden_in is not None:
+            return rows[-1]
         return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
     def commit(self, length: int) -> None:
