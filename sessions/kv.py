@@ -46,25 +46,54 @@ class GraphModel:
         return out
 
 
+class KVCache:
+    """The KV half of a graph: past inputs fed as views of the last ``present`` outputs.
+
+    A rollback is moving the length the next call starts from; the cache itself is never copied by us.
+    """
+
+    def __init__(self, graph: CompiledGraph):
+        m = graph.manifest
+        kv = m.kv_cache
+        names = [kv.names(i) for i in range(kv.layers)]
+        self.past_names = [n for layer in names for n in layer[:2]]
+        self.present_names = [n for layer in names for n in layer[2:]]
+        missing = [n for n in self.past_names if n not in graph.input_names]
+        missing += [n for n in self.present_names if n not in graph.output_names]
+        if missing:
+            raise ModelFormatError(f"{graph.path}: the manifest names KV tensors {missing} the graph does not have")
+        self.mask_name = m.inputs.get("attention_mask")
+        self.pos_name = m.inputs.get("position_ids")
+        self._ones = np.ones((1, m.max_positions), np.int64)
+        self._positions = np.arange(m.max_positions, dtype=np.int64)[None]
+        self._empty = np.zeros((1, kv.kv_heads, 0, kv.head_dim), np.dtype(kv.dtype))
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = [self._empty] * len(self.past_names)
+
+    def feed(self, feeds: dict, start: int, end: int) -> None:
+        """Add the mask, positions and past views for a call that feeds positions start..end-1."""
+        if self.mask_name:
+            feeds[self.mask_name] = self._ones[:, :end]
+        if self.pos_name:
+            feeds[self.pos_name] = self._positions[:, start:end]
+        for name, t in zip(self.past_names, self.cache):
+            feeds[name] = t if t.shape[2] == start else t[:, :, :start]
+
+
 class KVModel(GraphModel):
     def __init__(self, graph: CompiledGraph):
         super().__init__(graph)
         m = self.manifest
         if m.kv_cache is None:
             raise ModelFormatError(f"{graph.path}: the manifest declares no KV cache; re-export the model")
-        kv = m.kv_cache
-        names = [kv.names(i) for i in range(kv.layers)]
-        self.past_names = [n for layer in names for n in layer[:2]]
-        self.output_names = [m.outputs["logits"]] + [n for layer in names for n in layer[2:]]
-        missing = [n for n in self.past_names + [m.inputs["input_ids"]] if n not in graph.input_names]
-        if missing:
-            raise ModelFormatError(f"{graph.path}: the manifest names inputs {missing} the graph does not have")
-        self.mask_name = m.inputs.get("attention_mask")
-        self.pos_name = m.inputs.get("position_ids")
-        self._ones = np.ones((1, m.max_positions), np.int64)
-        self._positions = np.arange(m.max_positions, dtype=np.int64)[None]
-        self._empty = np.zeros((1, kv.kv_heads, 0, kv.head_dim), np.dtype(kv.dtype))
-        self._caches = len(self.past_names)
+        if m.inputs["input_ids"] not in graph.input_names:
+            raise ModelFormatError(f"{graph.path}: the manifest names input {m.inputs['input_ids']!r} the graph "
+                                   "does not have")
+        self.kv = KVCache(graph)
+        self.output_names = [m.outputs["logits"]] + self.kv.present_names
+        self._caches = len(self.kv.present_names)
         self.reset()
 
     def fetch_hidden(self) -> int:
@@ -82,7 +111,7 @@ class KVModel(GraphModel):
     def reset(self) -> None:
         self.length = 0
         self.hidden = None
-        self.cache = [self._empty] * len(self.past_names)
+        self.kv.reset()
 
     def forward(self, tokens) -> np.ndarray:
         """Feed ``tokens`` after the first ``length`` cached ones; returns their logits [s, V]."""
@@ -93,14 +122,9 @@ class KVModel(GraphModel):
             raise GenerationError(f"sequence of {end} tokens exceeds the model's max positions "
                                   f"({self.max_positions})")
         feeds = {self.ids_name: ids}
-        if self.mask_name:
-            feeds[self.mask_name] = self._ones[:, :end]
-        if self.pos_name:
-            feeds[self.pos_name] = self._positions[:, start:end]
-        for name, t in zip(self.past_names, self.cache):
-            feeds[name] = t if t.shape[2] == start else t[:, :, :start]
+        self.kv.feed(feeds, start, end)
         out = self._run(self.output_names, feeds)
-        self.cache = out[1:1 + self._caches]
+        self.kv.cache = out[1:1 + self._caches]
         if len(out) > 1 + self._caches:
             self.hidden = out[-1][0]
         self.length = end

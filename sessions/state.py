@@ -8,7 +8,10 @@ rejected draft costs no re-run. Inputs longer than the graph's
 ``max_tokens_per_call`` are fed in chunks. A draft head (a ``hidden_states``
 input) reads the hidden state of the last fed position and returns the
 logits and hidden state of that position only; a graph with a
-``hidden_states`` output leaves its rows in ``hidden``.
+``hidden_states`` output leaves its rows in ``hidden``. A hybrid graph
+(attention layers with a KV cache besides the recurrent ones) uses both
+mechanisms at once: in one commit the KV cache rolls back by length and the
+state by selection.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import numpy as np
 from rlxrt.backends import CompiledGraph
 from rlxrt.errors import GenerationError, ModelFormatError
 
-from .kv import GraphModel, KVModel
+from .kv import GraphModel, KVCache, KVModel
 
 
 class StateModel(GraphModel):
@@ -26,9 +29,6 @@ class StateModel(GraphModel):
         m = self.manifest
         if m.state is None:
             raise ModelFormatError(f"{graph.path}: the manifest declares no recurrent state")
-        if m.kv_cache is not None:
-            raise ModelFormatError(f"{graph.path}: graphs with both a KV cache and recurrent state are not "
-                                   "supported yet; export the attention and recurrent parts separately")
         tensors = m.state.tensors
         missing = [t.input for t in tensors if t.input not in graph.input_names]
         missing += [t.output for t in tensors if t.output not in graph.output_names]
@@ -40,6 +40,10 @@ class StateModel(GraphModel):
         self.output_names = [m.outputs["logits"]] + ([hidden_out] if hidden_out else []) \
             + [t.output for t in tensors]
         self._first_state = 2 if hidden_out else 1
+        self.kv = KVCache(graph) if m.kv_cache is not None else None  # a hybrid: attention layers too
+        self._states_end = len(self.output_names)
+        if self.kv is not None:
+            self.output_names += self.kv.present_names
         self._zero = [np.zeros(t.shape, np.dtype(t.dtype)) for t in tensors]
         self.chunk = m.state.max_tokens_per_call
         self.reset()
@@ -48,6 +52,8 @@ class StateModel(GraphModel):
         self.length = 0
         self.hidden = None
         self._states: dict[int, list[np.ndarray]] = {0: self._zero}
+        if self.kv is not None:
+            self.kv.reset()
 
     def state(self, length: int | None = None) -> list[np.ndarray]:
         """The state after the first ``length`` tokens (default: all fed), if still kept."""
@@ -77,12 +83,16 @@ class StateModel(GraphModel):
                 last = c + self.chunk >= len(ids)
                 feeds[self.hidden_in] = np.asarray(hidden if last else np.zeros_like(hidden), np.float32)[None]
             feeds.update(zip(self.state_inputs, state))
+            base = start + c
+            if self.kv is not None:
+                self.kv.feed(feeds, base, base + len(part))
             out = self._run(self.output_names, feeds)
+            if self.kv is not None:
+                self.kv.cache = out[self._states_end:]
             rows.append(out[0][0])
             if self._first_state == 2:
                 hid.append(out[1][0])
-            base = start + c
-            states = out[self._first_state:]
+            states = out[self._first_state:self._states_end]
             for j in range(len(part)):
                 self._states[base + j + 1] = [per_position[j] for per_position in states]
             state = self._states[base + len(part)]
@@ -94,7 +104,8 @@ class StateModel(GraphModel):
         return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
     def commit(self, length: int) -> None:
-        """Keep the state after the first ``length`` tokens; states of later positions are dropped."""
+        """Keep the state after the first ``length`` tokens; states of later positions are dropped
+        (a hybrid's KV cache moves its length back with it)."""
         length = min(self.length, length)
         keep = self.state(length)
         self._states = {length: keep}
@@ -102,7 +113,7 @@ class StateModel(GraphModel):
 
 
 def decoder_for(graph: CompiledGraph):
-    """The model wrapper a graph's manifest asks for: a KV cache or recurrent state."""
+    """The model wrapper a graph's manifest asks for: a KV cache, or recurrent state (with or without one)."""
     m = graph.manifest
     if m is not None and m.inputs.get("hidden_states"):
         raise ModelFormatError(f"{graph.path} is a draft head (it reads the target's hidden states), not a "
