@@ -86,7 +86,7 @@ def build_head(torch, cfg: HeadConfig, embedding, unembedding=None):
             """Per position: log a_p and (1 - a_p) * v_p, from the token alone."""
             e = self.norm_e(nn.functional.embedding(ids, self.embed))
             pre, v = self.gate_in(e).chunk(2, dim=-1)
-            return e, nn.functional.logsigmoid(pre), torch.sigmoid(-pre) * v
+            return e, -nn.functional.softplus(-pre), torch.sigmoid(-pre) * v
 
         def mix(self, h, e, states):
             """Everything after the recurrence: the predicted hidden state and the logits."""
