@@ -28,8 +28,6 @@ GRAPH = "model.onnx"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json")
 DTYPES = {"fp32": "float32", "fp16": "float16"}
-RECURRENT_MAX_POSITIONS = 1 << 20
-"""A recurrent model has no position limit; this bounds a request all the same."""
 
 Runner = Callable[[Path], Callable[[dict], dict]]
 
@@ -166,10 +164,8 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
             final = steps.run("export", _recurrent_graph, torch, model, work, variant)
             manifest = _recurrent_manifest(config, model, model_type, src, src_dir, transformers, final)
             if validate_export:
-                from .mamba import validate_graph
-
-                record = steps.run("validate", validate_graph, torch, model, runner(final / GRAPH),
-                                   atol if atol is not None else TOLERANCE[variant])
+                record = steps.run("validate", _family(model_type).validate_graph, torch, model,
+                                   runner(final / GRAPH), atol if atol is not None else TOLERANCE[variant])
                 _check_validation(record)
                 manifest = Manifest(**{**manifest.__dict__, "validation": record})
             steps.run("write", _write, manifest, final, out, force)
@@ -226,28 +222,33 @@ def _check_validation(record: dict) -> None:
         )
 
 
-def _recurrent_graph(torch, model, work: Path, variant: str) -> Path:
-    from .mamba import export_graph
+def _family(model_type: str):
+    """The module that exports a recurrent or hybrid family: mamba.py, jamba.py."""
+    import importlib
 
+    return importlib.import_module(f".{RECURRENT[model_type]}", __package__)
+
+
+def _recurrent_graph(torch, model, work: Path, variant: str) -> Path:
     if variant != "float32":
         raise ExportError(f"{model.config.model_type} exports in fp32 only for now (asked for {variant}); "
                           "drop --dtype/--quantize")
     final = work / "model"
     final.mkdir()
-    export_graph(torch, model, final / GRAPH)
+    _family(model.config.model_type).export_graph(torch, model, final / GRAPH)
     return final
 
 
 def _recurrent_manifest(config: dict, model, model_type: str, src, src_dir: Path, transformers,
                         final: Path) -> Manifest:
-    from .mamba import state_layout
-
+    family = _family(model_type)
+    cfg = model.config
     bos, eos, pad = _special_tokens(model)
     return Manifest(
         architecture=(config.get("architectures") or [type(model).__name__])[0], model_type=model_type,
-        vocab_size=int(model.config.vocab_size), max_positions=RECURRENT_MAX_POSITIONS, graph=GRAPH,
-        dtype="float32", inputs={"input_ids": "input_ids", "attention_mask": None, "position_ids": None},
-        outputs={"logits": "logits", "hidden_states": None}, kv_cache=None, state=state_layout(model.config),
+        vocab_size=int(cfg.vocab_size), max_positions=family.max_positions(cfg), graph=GRAPH,
+        dtype="float32", inputs=family.inputs(cfg), outputs={"logits": "logits", "hidden_states": None},
+        kv_cache=family.kv_layout(cfg), state=family.state_layout(cfg),
         bos_token_id=bos, eos_token_ids=eos, pad_token_id=pad,
         tokenizer=_save_tokenizer(transformers, src_dir, final),
         source={"path_or_id": str(src), "weights_sha256": weights_hash(src_dir), "task": "recurrent-with-states"},

@@ -34,12 +34,64 @@ INPUTS = ("input_ids", "conv_state", "ssm_state")
 OUTPUTS = ("logits", "conv_states", "ssm_states")
 
 
+MAX_POSITIONS = 1 << 20
+"""Mamba has no position limit; this bounds a request all the same."""
+
+
+def max_positions(config) -> int:
+    return MAX_POSITIONS
+
+
+def inputs(config) -> dict:
+    return {"input_ids": "input_ids", "attention_mask": None, "position_ids": None}
+
+
+def kv_layout(config) -> None:
+    return None
+
+
 def state_layout(config) -> StateLayout:
     L, D = config.num_hidden_layers, config.intermediate_size
     return StateLayout(
         tensors=(StateTensor("conv_state", "conv_states", (L, 1, D, config.conv_kernel), "float32"),
                  StateTensor("ssm_state", "ssm_states", (L, 1, D, config.state_size), "float32")),
         max_tokens_per_call=CHUNK)
+
+
+def selective_mixer(torch, mix, h, conv0, ssm0):
+    """One Mamba mixer over h [1, s, H] from the states before the first token; returns its output and the
+    conv windows [s, 1, D, K] and SSM states [s, 1, D, N] after each token. Jamba's mixer (RMS norms on
+    dt, B and C) runs through here too."""
+    nn = torch.nn
+    s = h.shape[1]
+    proj = mix.in_proj(h).transpose(1, 2)                       # [1, 2D, s]
+    x, gate = proj.chunk(2, dim=1)
+    k = mix.conv_kernel_size
+    full = torch.cat([conv0, x], dim=-1)                         # [1, D, K + s]
+    idx = torch.arange(s)[:, None] + 1 + torch.arange(k)[None, :]
+    windows = full[:, :, idx]                                    # [1, D, s, K]
+    conv = (windows * mix.conv1d.weight[:, 0, :][None, :, None, :]).sum(-1)
+    if mix.use_conv_bias:
+        conv = conv + mix.conv1d.bias[None, :, None]
+    x = mix.act(conv)                                            # [1, D, s]
+    xt = x[0].t()                                                # [s, D], time-major from here
+    params = mix.x_proj(xt)
+    dt, B, C = torch.split(params, [mix.time_step_rank, mix.ssm_state_size, mix.ssm_state_size], dim=-1)
+    if hasattr(mix, "dt_layernorm"):
+        dt, B, C = mix.dt_layernorm(dt), mix.b_layernorm(B), mix.c_layernorm(C)
+    dt = nn.functional.softplus(mix.dt_proj(dt))                 # [s, D]
+    A = -torch.exp(mix.A_log.float())                            # [D, N]
+    d, n = A.shape
+    S = torch.cumsum(dt[:, :, None] * A[None], dim=0).reshape(s, d * n)   # [s, D*N], decreasing in t
+    dbu = ((dt * xt)[:, :, None] * B[:, None, :]).reshape(1, s, d * n)   # [1, u, D*N]
+    pos = torch.arange(s)
+    mask = torch.zeros(s, s).masked_fill(pos[None, :] > pos[:, None], -torch.inf)[:, :, None]  # [t, u, 1]
+    w = torch.exp(S[:, None, :] - S[None, :, :] + mask)         # [t, u, D*N], exponents <= 0
+    hs = ((w * dbu).sum(1) + torch.exp(S) * ssm0.reshape(1, d * n)).reshape(s, d, n)  # [s, D, N]
+    y = (hs * C[:, None, :]).sum(-1) + xt * mix.D[None, :]        # [s, D]
+    y = y * mix.act(gate[0].t())
+    out = mix.out_proj(y)[None]
+    return out, windows.permute(2, 0, 1, 3), hs[:, None]
 
 
 def _wrapper(torch, model):
@@ -50,41 +102,12 @@ def _wrapper(torch, model):
             super().__init__()
             self.m = model
 
-        def mixer(self, mix, h, conv0, ssm0):
-            s = h.shape[1]
-            proj = mix.in_proj(h).transpose(1, 2)                       # [1, 2D, s]
-            x, gate = proj.chunk(2, dim=1)
-            k = mix.conv_kernel_size
-            full = torch.cat([conv0, x], dim=-1)                         # [1, D, K + s]
-            idx = torch.arange(s)[:, None] + 1 + torch.arange(k)[None, :]
-            windows = full[:, :, idx]                                    # [1, D, s, K]
-            conv = (windows * mix.conv1d.weight[:, 0, :][None, :, None, :]).sum(-1)
-            if mix.use_conv_bias:
-                conv = conv + mix.conv1d.bias[None, :, None]
-            x = mix.act(conv)                                            # [1, D, s]
-            xt = x[0].t()                                                # [s, D], time-major from here
-            params = mix.x_proj(xt)
-            dt, B, C = torch.split(params, [mix.time_step_rank, mix.ssm_state_size, mix.ssm_state_size], dim=-1)
-            dt = nn.functional.softplus(mix.dt_proj(dt))                 # [s, D]
-            A = -torch.exp(mix.A_log.float())                            # [D, N]
-            d, n = A.shape
-            S = torch.cumsum(dt[:, :, None] * A[None], dim=0).reshape(s, d * n)   # [s, D*N], decreasing in t
-            dbu = ((dt * xt)[:, :, None] * B[:, None, :]).reshape(1, s, d * n)   # [1, u, D*N]
-            pos = torch.arange(s)
-            mask = torch.zeros(s, s).masked_fill(pos[None, :] > pos[:, None], -torch.inf)[:, :, None]  # [t, u, 1]
-            w = torch.exp(S[:, None, :] - S[None, :, :] + mask)         # [t, u, D*N], exponents <= 0
-            hs = ((w * dbu).sum(1) + torch.exp(S) * ssm0.reshape(1, d * n)).reshape(s, d, n)  # [s, D, N]
-            y = (hs * C[:, None, :]).sum(-1) + xt * mix.D[None, :]        # [s, D]
-            y = y * mix.act(gate[0].t())
-            out = mix.out_proj(y)[None]
-            return out, windows.permute(2, 0, 1, 3), hs[:, None]
-
         def forward(self, input_ids, conv_state, ssm_state):
             bb = self.m.backbone
             h = bb.embeddings(input_ids)
             convs, ssms = [], []
             for i, layer in enumerate(bb.layers):
-                out, c, st = self.mixer(layer.mixer, layer.norm(h), conv_state[i], ssm_state[i])
+                out, c, st = selective_mixer(torch, layer.mixer, layer.norm(h), conv_state[i], ssm_state[i])
                 h = h + out
                 convs.append(c)
                 ssms.append(st)

@@ -75,8 +75,9 @@ def supported_model_types() -> list[str]:
                   if TASK in by.get("onnx", {}))
 
 
-RECURRENT = ("mamba",)
-"""Recurrent architectures rlxrt exports itself (exporters/mamba.py), with per-position states."""
+RECURRENT = {"mamba": "mamba", "jamba": "jamba"}
+"""Recurrent and hybrid architectures rlxrt exports itself (model type -> module in exporters/), with
+per-position states."""
 
 
 def check_architecture(config: dict) -> str:

@@ -30,7 +30,7 @@ def make_tokenizer(out: Path, vocab_size: int = 320):
 
 def make_model(family: str, out: Path, *, seed: int = 0, layers: int = 2, hidden: int = 64,
                tokenizer: bool = True, init: float = 0.2):
-    """Save a random-init causal LM of ``family`` (llama, qwen2, mistral, gpt2, mamba) in ``out``."""
+    """Save a random-init causal LM of ``family`` (llama, qwen2, mistral, gpt2, mamba, jamba) in ``out``."""
     import torch
     import transformers as tf
 
@@ -41,6 +41,13 @@ def make_model(family: str, out: Path, *, seed: int = 0, layers: int = 2, hidden
         cfg = tf.MambaConfig(hidden_size=hidden, num_hidden_layers=layers, state_size=8, expand=2, conv_kernel=4,
                              time_step_rank=8, use_cache=True, **common)
         cls = tf.MambaForCausalLM
+    elif family == "jamba":  # hybrid: layers 1 and 3 attention, 0 and 2 Mamba; MoE (2 experts, top 1) on odd layers
+        cfg = tf.JambaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                             num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1,
+                             expert_layer_period=2, expert_layer_offset=1, num_experts=2, num_experts_per_tok=1,
+                             mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8,
+                             use_mamba_kernels=False, max_position_embeddings=256, tie_word_embeddings=False, **common)
+        cls = tf.JambaForCausalLM
     elif family == "gpt2":
         cfg = tf.GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=256, **common)
         cls = tf.GPT2LMHeadModel

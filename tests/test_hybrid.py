@@ -1,6 +1,8 @@
-"""A hybrid graph (attention with a KV cache plus a recurrent layer with per-position states) through the
-session: one commit rolls the KV cache back by length and selects the recurrent state, both checked
-against feeding the committed tokens one at a time; greedy speculation stays exact."""
+"""Hybrid graphs (attention with a KV cache plus recurrent layers with per-position states) through the
+session: Jamba exported by `rlxrt export` (validated against transformers), and a tiny torch-built hybrid
+whose calls take only 8 tokens (so long prompts cross chunk boundaries with both mechanisms). One commit
+rolls the KV cache back by length and selects the recurrent state, both checked against feeding the
+committed tokens one at a time; greedy speculation stays exact."""
 import numpy as np
 import pytest
 
@@ -12,15 +14,19 @@ pytest.importorskip("torch", reason="builds its graph with torch.onnx")
 CFG = Config(intra_op_threads=1, cache=False)
 
 
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
+@pytest.fixture(scope="module", params=["jamba", "tiny"])
+def hybrid(request, tmp_path_factory):
+    if request.param == "jamba":
+        return request.getfixturevalue("exported")("jamba", seed=0, layers=4)
     from hybrid import make_hybrid
 
     return make_hybrid(tmp_path_factory.mktemp("hybrid") / "target")
 
 
 @pytest.fixture(scope="module")
-def hybrid_draft(tmp_path_factory):
+def hybrid_draft(hybrid, exported, tmp_path_factory):
+    if "jamba" in hybrid.name:
+        return exported("jamba", seed=1, layers=2, hidden=32)
     from hybrid import make_hybrid
 
     return make_hybrid(tmp_path_factory.mktemp("hybrid") / "draft", seed=1, hidden=16, state=8)
@@ -34,11 +40,16 @@ def sequential(path, tokens):
 
 def test_hybrid_manifest_gets_both_mechanisms(hybrid):
     m = decoder_for(compile(hybrid, CFG))
-    assert isinstance(m, StateModel) and m.kv is not None and m.state_inputs == ["state"]
+    assert isinstance(m, StateModel) and m.kv is not None and m.state_inputs
+    man = m.manifest
+    if man.model_type == "jamba":  # layers 1, 3 attention; 0, 2 Mamba
+        assert man.kv_cache.layers == 2 and man.state.tensors[0].shape[0] == 2
+        v = man.validation
+        assert v["passed"] and v["max_abs_diff"] < 1e-4 and v["max_abs_diff_state"] < 1e-4
 
 
 def test_chunks_of_a_long_prompt_carry_both_the_cache_and_the_state(hybrid):
-    tokens = np.random.default_rng(0).integers(3, 320, 21).tolist()  # 3 chunks of at most 8
+    tokens = np.random.default_rng(0).integers(3, 320, 70).tolist()  # 3 chunks of 32 (Jamba), 9 of 8 (tiny)
     m = StateModel(compile(hybrid, CFG))
     logits = m.forward(tokens)
     ref, ref_rows = sequential(hybrid, tokens)
