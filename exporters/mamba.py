@@ -1,4 +1,4 @@
-"""Mamba (``MambaForCausalLM``) to ONNX with recurrent state and per-position states.
+"""Mamba (``MambaForCausalLM``, and ``FalconMambaForCausalLM``) to ONNX with per-position states.
 
 optimum exports no recurrent architecture, so rlxrt writes the graph itself:
 the model's own weights run in a re-statement of Mamba's forward that takes
@@ -60,8 +60,8 @@ def state_layout(config) -> StateLayout:
 
 def selective_mixer(torch, mix, h, conv0, ssm0):
     """One Mamba mixer over h [1, s, H] from the states before the first token; returns its output and the
-    conv windows [s, 1, D, K] and SSM states [s, 1, D, N] after each token. Jamba's mixer (RMS norms on
-    dt, B and C) runs through here too."""
+    conv windows [s, 1, D, K] and SSM states [s, 1, D, N] after each token. FalconMamba's and Jamba's
+    mixers (RMS norms on dt, B and C) run through here too."""
     nn = torch.nn
     s = h.shape[1]
     proj = mix.in_proj(h).transpose(1, 2)                       # [1, 2D, s]
@@ -77,8 +77,10 @@ def selective_mixer(torch, mix, h, conv0, ssm0):
     xt = x[0].t()                                                # [s, D], time-major from here
     params = mix.x_proj(xt)
     dt, B, C = torch.split(params, [mix.time_step_rank, mix.ssm_state_size, mix.ssm_state_size], dim=-1)
-    if hasattr(mix, "dt_layernorm"):
+    if hasattr(mix, "dt_layernorm"):  # Jamba: RMS norms with weights
         dt, B, C = mix.dt_layernorm(dt), mix.b_layernorm(B), mix.c_layernorm(C)
+    elif hasattr(mix, "rms_eps"):  # FalconMamba: RMS norms without weights
+        dt, B, C = (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + mix.rms_eps) for t in (dt, B, C))
     dt = nn.functional.softplus(mix.dt_proj(dt))                 # [s, D]
     A = -torch.exp(mix.A_log.float())                            # [D, N]
     d, n = A.shape

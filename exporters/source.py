@@ -75,7 +75,7 @@ def supported_model_types() -> list[str]:
                   if TASK in by.get("onnx", {}))
 
 
-RECURRENT = {"mamba": "mamba", "jamba": "jamba"}
+RECURRENT = {"mamba": "mamba", "falcon_mamba": "mamba", "jamba": "jamba"}
 """Recurrent and hybrid architectures rlxrt exports itself (model type -> module in exporters/), with
 per-position states."""
 

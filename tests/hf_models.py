@@ -30,14 +30,18 @@ def make_tokenizer(out: Path, vocab_size: int = 320):
 
 def make_model(family: str, out: Path, *, seed: int = 0, layers: int = 2, hidden: int = 64,
                tokenizer: bool = True, init: float = 0.2):
-    """Save a random-init causal LM of ``family`` (llama, qwen2, mistral, gpt2, mamba, jamba) in ``out``."""
+    """Save a random-init causal LM of ``family`` (llama, qwen2, mistral, gpt2, mamba, falcon_mamba, jamba) in ``out``."""
     import torch
     import transformers as tf
 
     out.mkdir(parents=True, exist_ok=True)
     vocab = make_tokenizer(out) if tokenizer else 320
     common = dict(vocab_size=vocab, bos_token_id=0, eos_token_id=1, pad_token_id=2, initializer_range=init)
-    if family == "mamba":
+    if family == "falcon_mamba":
+        cfg = tf.FalconMambaConfig(hidden_size=hidden, num_hidden_layers=layers, state_size=8, expand=2,
+                                   conv_kernel=4, time_step_rank=8, use_cache=True, **common)
+        cls = tf.FalconMambaForCausalLM
+    elif family == "mamba":
         cfg = tf.MambaConfig(hidden_size=hidden, num_hidden_layers=layers, state_size=8, expand=2, conv_kernel=4,
                              time_step_rank=8, use_cache=True, **common)
         cls = tf.MambaForCausalLM

@@ -167,3 +167,15 @@ def test_draft_and_target_on_separate_sessions_with_their_own_settings(exported,
     s = Session(mamba, spec, CFG, k=4)
     assert s.generate(PROMPT, max_new_tokens=40, ignore_eos=True).token_ids == plain_mamba
     assert s.speculator.model.graph.session.get_session_options().intra_op_num_threads == 2
+
+
+def test_falcon_mamba_exports_and_speculates_exactly(exported):
+    """FalconMamba: Mamba with weightless RMS norms on dt, B and C, through the same exporter."""
+    path = exported("falcon_mamba", seed=0)
+    m = rlxrt.Manifest.load(path)
+    assert m.model_type == "falcon_mamba" and m.state is not None and m.kv_cache is None
+    assert m.validation["passed"] and m.validation["max_abs_diff"] < 1e-4 and m.validation["max_abs_diff_state"] < 1e-4
+    plain = Session(path, None, CFG).generate(PROMPT, max_new_tokens=30, ignore_eos=True).token_ids
+    for spec in (PromptLookup(), DraftModel(exported("mamba", seed=1, layers=1, hidden=32), CFG)):
+        g = Session(path, spec, CFG, k=3).generate(PROMPT, max_new_tokens=30, ignore_eos=True)
+        assert g.token_ids == plain and g.stats.drafted > 0
