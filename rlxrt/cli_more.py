@@ -25,9 +25,15 @@ def cmd_export(args: argparse.Namespace) -> int:
                  f"validated: max abs diff {v['max_abs_diff']:.2e} (allowed {v['tolerance']:.1e}), "
                  f"argmax agreement {v['argmax_agreement']:.2f}")
         print(f"{res.path}: {m.architecture}, {m.dtype}, vocab {m.vocab_size}, "
-              f"{f'{m.kv_cache.layers} KV layers' if m.kv_cache else 'recurrent state, per-position'}; {check}; "
+              f"{_cache_kind(m)}; {check}; "
               f"tokenizer {'saved' if m.tokenizer else 'none (token ids only)'}")
     return 0
+
+
+def _cache_kind(m) -> str:
+    parts = ([f"{m.kv_cache.layers} KV layers"] if m.kv_cache else []) + \
+        (["recurrent state, per-position"] if m.state else [])
+    return " + ".join(parts)
 
 
 def _prompt(args: argparse.Namespace) -> str:
