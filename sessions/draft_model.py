@@ -40,6 +40,25 @@ def check_same_vocabulary(target: KVModel | StateModel, draft: KVModel | StateMo
         )
 
 
+def draft_chain(logits: np.ndarray, k: int, ctx: Context, step) -> DraftProposal:
+    """k drafted tokens: the first from ``logits`` [V], each next one from ``step(token)`` (the draft's
+    logits after it). Greedy takes the argmax; sampling draws from the transformed row, which the
+    acceptance rule then needs."""
+    tokens = np.empty(k, np.int64)
+    greedy = ctx.params.greedy
+    rows = None if greedy else np.empty((k, len(logits)))
+    for i in range(k):
+        if greedy:
+            x = int(logits.argmax())
+        else:
+            rows[i] = probs(logits, ctx.params)[0]
+            x = sample(rows[i], ctx.rng)
+        tokens[i] = x
+        if i + 1 < k:
+            logits = step(x)
+    return DraftProposal(tokens, rows)
+
+
 class DraftModel:
     name = "draft-model"
     default_k = 4  # best at temperature 0 on the shipped pair (exporters/reference/results/bench.json)
@@ -72,20 +91,7 @@ class DraftModel:
         k = min(k, m.max_positions - len(ctx.tokens))
         if k <= 0:
             return DraftProposal(np.zeros(0, np.int64))
-        logits = m.forward(ctx.tokens[m.length:])[-1]
-        tokens = np.empty(k, np.int64)
-        greedy = ctx.params.greedy
-        rows = None if greedy else np.empty((k, m.vocab_size))
-        for i in range(k):
-            if greedy:
-                x = int(logits.argmax())
-            else:
-                rows[i] = probs(logits, ctx.params)[0]
-                x = sample(rows[i], ctx.rng)
-            tokens[i] = x
-            if i + 1 < k:
-                logits = m.forward((x,))[0]
-        return DraftProposal(tokens, rows)
+        return draft_chain(m.forward(ctx.tokens[m.length:])[-1], k, ctx, lambda x: m.forward((x,))[0])
 
     def commit(self, ctx: Context, decision: AcceptDecision, verify: VerifyResult) -> None:
         self.model.commit(len(ctx.tokens) - 1)

@@ -19,10 +19,9 @@ import numpy as np
 from rlxrt.backends import CompiledGraph, compile
 from rlxrt.config import Config
 from rlxrt.errors import GenerationError, ModelFormatError
-from rlxrt.sampling import probs, sample
 from rlxrt.speculator import AcceptDecision, Context, DraftProposal, VerifyResult
 
-from .draft_model import check_same_vocabulary
+from .draft_model import check_same_vocabulary, draft_chain
 from .kv import KVModel
 from .state import StateModel
 
@@ -79,20 +78,8 @@ class MtpHead:
         k = min(k, m.max_positions - len(ctx.tokens))
         if k <= 0 or self.last is None:  # a one-token prompt: no hidden state before the first round
             return DraftProposal(np.zeros(0, np.int64))
-        logits = m.forward(ctx.tokens[m.length + 1:], self.last)[0]
-        tokens = np.empty(k, np.int64)
-        greedy = ctx.params.greedy
-        rows = None if greedy else np.empty((k, m.vocab_size))
-        for i in range(k):
-            if greedy:
-                x = int(logits.argmax())
-            else:
-                rows[i] = probs(logits, ctx.params)[0]
-                x = sample(rows[i], ctx.rng)
-            tokens[i] = x
-            if i + 1 < k:
-                logits = m.forward((x,), m.hidden)[0]
-        return DraftProposal(tokens, rows)
+        first = m.forward(ctx.tokens[m.length + 1:], self.last)[0]
+        return draft_chain(first, k, ctx, lambda x: m.forward((x,), m.hidden)[0])  # chained on its own hidden
 
     def commit(self, ctx: Context, decision: AcceptDecision, verify: VerifyResult) -> None:
         if verify.hidden is None:

@@ -6,15 +6,16 @@ time; through Session: greedy exactness, sampled losslessness, several requests,
 """
 import numpy as np
 import pytest
-from scipy.stats import chisquare
 
 import rlxrt
 from rlxrt import Config
 from rlxrt.backends import compile
 from rlxrt.errors import GenerationError, ModelFormatError
-from rlxrt.sampling import SamplingParams, probs
+from rlxrt.sampling import SamplingParams
 from rlxrt.speculator import AcceptDecision, Context, VerifyResult
 from rlxrt.sessions import DraftModel, KVModel, MtpHead, Session, StateModel
+
+from lossless import assert_first_two_tokens_follow, two_token_marginals
 
 pytestmark = pytest.mark.export
 CFG = Config(intra_op_threads=1, cache=False)
@@ -165,30 +166,10 @@ def test_several_requests_in_a_row_reset_the_head(target, head, plain):
 def test_sampled_output_with_the_mtp_head_has_the_targets_distribution(target, head):
     """First and second emitted tokens against the target's exact marginals (the second by enumerating
     the first), over many seeds: accepted, recovered and bonus paths all feed the counts."""
-    params = SamplingParams(temperature=1.0)
-    prompt = [5, 17, 42, 9]
-    ref = KVModel(compile(target, CFG))
-    p1 = probs(ref.forward(prompt)[-1], params)[0]
-    p2 = np.zeros_like(p1)
-    for x in np.flatnonzero(p1 > 1e-7):
-        ref.commit(len(prompt))
-        p2 += p1[x] * probs(ref.forward([int(x)])[0], params)[0]
-    p2 /= p2.sum()
-    draws = 5000
+    p1, p2 = two_token_marginals(KVModel(compile(target, CFG)), [5, 17, 42, 9], SamplingParams(temperature=1.0))
     s = Session(target, MtpHead(head, CFG), CFG, k=2)
-    first, second = np.zeros_like(p1), np.zeros_like(p2)
-    for i in range(draws):
-        t = s.generate(prompt, max_new_tokens=2, temperature=1.0, seed=i, ignore_eos=True).token_ids
-        first[t[0]] += 1
-        second[t[1]] += 1
+    assert_first_two_tokens_follow(s, [5, 17, 42, 9], p1, p2, draws=5000)
     assert s.stats.accepted > 0 and s.stats.acceptance_rate < 0.95
-    for counts, p in ((first, p1), (second, p2)):
-        expected = p * draws
-        big = expected >= 5
-        obs, exp = counts[big], expected[big]
-        if (~big).any():  # pool the rare tokens into one cell
-            obs, exp = np.append(obs, counts[~big].sum()), np.append(exp, expected[~big].sum())
-        assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
 
 
 def test_head_on_its_own_session_settings(target, head, plain):

@@ -9,14 +9,15 @@ import json
 
 import numpy as np
 import pytest
-from scipy.stats import chisquare
 
 import rlxrt
 from rlxrt import Config
 from rlxrt.backends import compile
 from rlxrt.errors import ExportError, GenerationError
-from rlxrt.sampling import SamplingParams, probs
+from rlxrt.sampling import SamplingParams
 from rlxrt.sessions import DraftModel, PromptLookup, Session, StateModel
+
+from lossless import assert_first_two_tokens_follow, two_token_marginals
 
 pytestmark = pytest.mark.export
 CFG = Config(intra_op_threads=1, cache=False)
@@ -133,30 +134,10 @@ def test_several_requests_in_a_row_reset_the_state(exported, mamba, plain_mamba)
 def test_sampled_output_of_a_stateful_pair_has_the_targets_distribution(exported, mamba):
     """Second emitted token (after a recovered or accepted first one, or as a bonus): its marginal
     against the target's exact one, computed by enumerating the first token."""
-    params = SamplingParams(temperature=1.0)
-    prompt = [5, 17, 42]
-    ref = fresh(mamba)
-    p1 = probs(ref.forward(prompt)[-1], params)[0]
-    p2 = np.zeros_like(p1)
-    for x in np.flatnonzero(p1 > 1e-7):
-        ref.commit(len(prompt))
-        p2 += p1[x] * probs(ref.forward([int(x)])[0], params)[0]
-    p2 /= p2.sum()
-    draws = 6000
+    p1, p2 = two_token_marginals(fresh(mamba), [5, 17, 42], SamplingParams(temperature=1.0))
     s = Session(mamba, DraftModel(exported("mamba", seed=1, layers=1, hidden=32), CFG), CFG, k=2)
-    first, second = np.zeros_like(p1), np.zeros_like(p2)
-    for i in range(draws):
-        t = s.generate(prompt, max_new_tokens=2, temperature=1.0, seed=i, ignore_eos=True).token_ids
-        first[t[0]] += 1
-        second[t[1]] += 1
+    assert_first_two_tokens_follow(s, [5, 17, 42], p1, p2, draws=6000)
     assert 0.05 < s.stats.acceptance_rate < 0.95
-    for counts, p in ((first, p1), (second, p2)):
-        expected = p * draws
-        big = expected >= 5
-        obs, exp = counts[big], expected[big]
-        if (~big).any():  # pool the rare tokens into one cell
-            obs, exp = np.append(obs, counts[~big].sum()), np.append(exp, expected[~big].sum())
-        assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
 
 
 def test_draft_and_target_on_separate_sessions_with_their_own_settings(exported, mamba, plain_mamba):
