@@ -135,6 +135,23 @@ def export_head(torch, head, path) -> None:
         torch.onnx.export(head.eval(), args, str(path), input_names=list(INPUTS), output_names=list(OUTPUTS),
                           opset_version=17, dynamo=False, do_constant_folding=False,
                           dynamic_axes={"input_ids": {1: "s"}, "states": {0: "s"}})
+    _name_output_shapes(path, H, R, head.embed.shape[0])
+
+
+def _name_output_shapes(path, H: int, R: int, V: int) -> None:
+    """The exporter leaves the outputs' sizes as generated names; write the real ones."""
+    import onnx
+
+    proto = onnx.load(str(path))
+    shapes = {"logits": [1, 1, V], "hidden_out": [1, 1, H], "states": ["s", R]}
+    for out in proto.graph.output:
+        for dim, size in zip(out.type.tensor_type.shape.dim, shapes[out.name]):
+            dim.Clear()
+            if isinstance(size, int):
+                dim.dim_value = size
+            else:
+                dim.dim_param = size
+    onnx.save(proto, str(path))
 
 
 def head_manifest(cfg: HeadConfig, target: Manifest, validation: dict) -> Manifest:
