@@ -158,11 +158,9 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
     try:
         model = steps.run("load", _load, torch, transformers, src_dir)
         if model_type in RECURRENT:
-            if with_hidden_states:
-                raise ExportError(f"--with-hidden-states is not supported for {model_type} yet; "
-                                  "drop it (recurrent targets draft with a draft model or prompt lookup)")
-            final = steps.run("export", _recurrent_graph, torch, model, work, variant)
-            manifest = _recurrent_manifest(config, model, model_type, src, src_dir, transformers, final)
+            final = steps.run("export", _recurrent_graph, torch, model, work, variant, with_hidden_states)
+            manifest = _recurrent_manifest(config, model, model_type, src, src_dir, transformers, final,
+                                           with_hidden_states)
             if validate_export:
                 record = steps.run("validate", _family(model_type).validate_graph, torch, model,
                                    runner(final / GRAPH), atol if atol is not None else TOLERANCE[variant])
@@ -229,25 +227,26 @@ def _family(model_type: str):
     return importlib.import_module(f".{RECURRENT[model_type]}", __package__)
 
 
-def _recurrent_graph(torch, model, work: Path, variant: str) -> Path:
+def _recurrent_graph(torch, model, work: Path, variant: str, with_hidden: bool) -> Path:
     if variant != "float32":
         raise ExportError(f"{model.config.model_type} exports in fp32 only for now (asked for {variant}); "
                           "drop --dtype/--quantize")
     final = work / "model"
     final.mkdir()
-    _family(model.config.model_type).export_graph(torch, model, final / GRAPH)
+    _family(model.config.model_type).export_graph(torch, model, final / GRAPH, with_hidden)
     return final
 
 
 def _recurrent_manifest(config: dict, model, model_type: str, src, src_dir: Path, transformers,
-                        final: Path) -> Manifest:
+                        final: Path, with_hidden: bool) -> Manifest:
     family = _family(model_type)
     cfg = model.config
     bos, eos, pad = _special_tokens(model)
     return Manifest(
         architecture=(config.get("architectures") or [type(model).__name__])[0], model_type=model_type,
         vocab_size=int(cfg.vocab_size), max_positions=family.max_positions(cfg), graph=GRAPH,
-        dtype="float32", inputs=family.inputs(cfg), outputs={"logits": "logits", "hidden_states": None},
+        dtype="float32", inputs=family.inputs(cfg),
+        outputs={"logits": "logits", "hidden_states": HIDDEN if with_hidden else None},
         kv_cache=family.kv_layout(cfg), state=family.state_layout(cfg),
         bos_token_id=bos, eos_token_ids=eos, pad_token_id=pad,
         tokenizer=_save_tokenizer(transformers, src_dir, final),

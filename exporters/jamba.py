@@ -26,7 +26,7 @@ import numpy as np
 from rlxrt.manifest import KVCacheLayout, StateLayout, StateTensor
 
 from .mamba import selective_mixer
-from .validate import compare
+from .validate import compare, hidden_diff
 
 CHUNK = 32
 PAST = ("past_key_values.{i}.key", "past_key_values.{i}.value", "present.{i}.key", "present.{i}.value")
@@ -89,7 +89,7 @@ def _feed_forward(torch, ff, x):
     return (outs * gate[:, :, None, :]).sum(-1)
 
 
-def _wrapper(torch, model):
+def _wrapper(torch, model, with_hidden: bool):
     nn = torch.nn
 
     class JambaWithStates(nn.Module):
@@ -115,8 +115,9 @@ def _wrapper(torch, model):
                     a += 1
                 h = h + out
                 h = h + _feed_forward(torch, layer.feed_forward, layer.pre_ff_layernorm(h))
-            logits = self.m.lm_head(core.final_layernorm(h))
-            return (logits, torch.stack(convs, 1), torch.stack(ssms, 1), *presents)
+            h = core.final_layernorm(h)
+            out = (self.m.lm_head(h), torch.stack(convs, 1), torch.stack(ssms, 1), *presents)
+            return out + (h,) if with_hidden else out
 
     return JambaWithStates().eval()
 
@@ -128,7 +129,7 @@ def _names(config) -> tuple[list[str], list[str]]:
     return past, present
 
 
-def export_graph(torch, model, path: Path) -> None:
+def export_graph(torch, model, path: Path, with_hidden: bool = False) -> None:
     import warnings
 
     cfg = model.config
@@ -138,14 +139,15 @@ def export_graph(torch, model, path: Path) -> None:
             *(torch.zeros(t.shape) for t in layout.tensors),
             *(torch.zeros((1, kv.kv_heads, 2, kv.head_dim)) for _ in past_names))
     dynamic = {"input_ids": {1: "s"}, "attention_mask": {1: "total"}, "logits": {1: "s"},
-               "conv_states": {0: "s"}, "ssm_states": {0: "s"}}
+               "conv_states": {0: "s"}, "ssm_states": {0: "s"}, "hidden_states": {1: "s"}}
     dynamic.update({n: {2: "past"} for n in past_names})
     dynamic.update({n: {2: "total"} for n in present_names})
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the TorchScript exporter is deprecated but exports this loop-free graph
-        torch.onnx.export(_wrapper(torch, model), args, str(path),
+        torch.onnx.export(_wrapper(torch, model, with_hidden), args, str(path),
                           input_names=["input_ids", "attention_mask", "conv_state", "ssm_state", *past_names],
-                          output_names=["logits", "conv_states", "ssm_states", *present_names],
+                          output_names=["logits", "conv_states", "ssm_states", *present_names]
+                          + (["hidden_states"] if with_hidden else []),
                           opset_version=17, dynamo=False, dynamic_axes=dynamic)
 
 
@@ -177,4 +179,5 @@ def validate_graph(torch, model, run, tolerance: float, prompt_len: int = 8, ste
     ref_ssm = np.stack([cache.ssm_states[i].numpy()[:1] for i in mamba_layers])
     state_diff = max(float(np.abs(b["conv_states"][-1] - ref_conv).max()),
                      float(np.abs(b["ssm_states"][-1] - ref_ssm).max()))
-    return compare(a["logits"], b["logits"], ref, tolerance, max_abs_diff_state=state_diff)
+    return compare(a["logits"], b["logits"], ref, tolerance, max_abs_diff_state=state_diff,
+                   **hidden_diff(torch, model, ids, a, b))

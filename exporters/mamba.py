@@ -27,7 +27,7 @@ import numpy as np
 
 from rlxrt.manifest import StateLayout, StateTensor
 
-from .validate import compare
+from .validate import compare, hidden_diff
 
 CHUNK = 32
 INPUTS = ("input_ids", "conv_state", "ssm_state")
@@ -96,7 +96,7 @@ def selective_mixer(torch, mix, h, conv0, ssm0):
     return out, windows.permute(2, 0, 1, 3), hs[:, None]
 
 
-def _wrapper(torch, model):
+def _wrapper(torch, model, with_hidden: bool):
     nn = torch.nn
 
     class MambaWithStates(nn.Module):
@@ -113,14 +113,15 @@ def _wrapper(torch, model):
                 h = h + out
                 convs.append(c)
                 ssms.append(st)
-            logits = self.m.lm_head(bb.norm_f(h))
-            return logits, torch.stack(convs, 1), torch.stack(ssms, 1)
+            h = bb.norm_f(h)
+            out = (self.m.lm_head(h), torch.stack(convs, 1), torch.stack(ssms, 1))
+            return out + (h,) if with_hidden else out
 
     return MambaWithStates().eval()
 
 
-def export_graph(torch, model, path: Path) -> None:
-    wrapper = _wrapper(torch, model)
+def export_graph(torch, model, path: Path, with_hidden: bool = False) -> None:
+    wrapper = _wrapper(torch, model, with_hidden)
     cfg = model.config
     L, D = cfg.num_hidden_layers, cfg.intermediate_size
     ids = torch.zeros((1, 3), dtype=torch.long)
@@ -131,10 +132,12 @@ def export_graph(torch, model, path: Path) -> None:
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the TorchScript exporter is deprecated but exports this loop-free graph
         torch.onnx.export(wrapper, (ids, conv, ssm), str(path), input_names=list(INPUTS),
-                          output_names=list(OUTPUTS), opset_version=17, dynamo=False,
+                          output_names=list(OUTPUTS) + (["hidden_states"] if with_hidden else []),
+                          opset_version=17, dynamo=False,
                           dynamic_axes={"input_ids": {1: "sequence_length"}, "logits": {1: "sequence_length"},
                                         "conv_states": {0: "sequence_length"},
-                                        "ssm_states": {0: "sequence_length"}})
+                                        "ssm_states": {0: "sequence_length"},
+                                        "hidden_states": {1: "sequence_length"}})
 
 
 def validate_graph(torch, model, run, tolerance: float, prompt_len: int = 8, step_len: int = 4) -> dict:
@@ -155,4 +158,5 @@ def validate_graph(torch, model, run, tolerance: float, prompt_len: int = 8, ste
     ref_ssm = torch.stack(list(cache.ssm_states)).numpy()[:, :1]
     state_diff = max(float(np.abs(b["conv_states"][-1] - ref_conv).max()),
                      float(np.abs(b["ssm_states"][-1] - ref_ssm).max()))
-    return compare(a["logits"], b["logits"], ref, tolerance, max_abs_diff_state=state_diff)
+    return compare(a["logits"], b["logits"], ref, tolerance, max_abs_diff_state=state_diff,
+                   **hidden_diff(torch, model, ids, a, b))

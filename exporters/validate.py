@@ -86,3 +86,14 @@ def compare(prefill: np.ndarray, step: np.ndarray, ref: np.ndarray, tolerance: f
         "positions": int(ref.shape[1]),
         "step_tokens": int(step.shape[1]),
     }
+
+
+def hidden_diff(torch, model, ids: np.ndarray, *outs: dict) -> dict:
+    """``{"max_abs_diff_hidden": …}`` of the graph's ``hidden_states`` outputs (one dict per call, in order)
+    against transformers' last hidden state for ``ids``; empty when the graph has no such output."""
+    if "hidden_states" not in outs[0]:
+        return {}
+    with torch.no_grad():
+        ref = model.base_model(input_ids=torch.from_numpy(ids)).last_hidden_state.float().numpy()
+    got = np.concatenate([o["hidden_states"] for o in outs], axis=1)
+    return {"max_abs_diff_hidden": float(np.abs(got - ref).max())}

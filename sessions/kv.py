@@ -39,6 +39,18 @@ class GraphModel:
     def providers(self) -> list[str]:
         return self.graph.providers
 
+    def fetch_hidden(self) -> int:
+        """Return the last hidden states with every forward (in ``hidden``); returns the hidden size."""
+        name = self.manifest.outputs.get("hidden_states")
+        if not name or name not in self.graph.output_names:
+            raise GenerationError(
+                f"{self.graph.path} has no hidden_states output, and a draft head reads the target's last hidden "
+                "state; re-export the target with `rlxrt export SRC OUT --with-hidden-states`")
+        if name not in self.output_names:  # a recurrent model fetches a declared one always
+            self.output_names.append(name)
+        shape = next(t.shape for t in self.graph.outputs if t.name == name)
+        return int(shape[-1]) if shape and isinstance(shape[-1], int) else -1
+
     def _run(self, names: list[str], feeds: dict) -> list:
         t0 = time.perf_counter()
         out = self._session_run(names, feeds)
@@ -95,18 +107,6 @@ class KVModel(GraphModel):
         self.output_names = [m.outputs["logits"]] + self.kv.present_names
         self._caches = len(self.kv.present_names)
         self.reset()
-
-    def fetch_hidden(self) -> int:
-        """Return the last hidden states with every forward (in ``hidden``); returns the hidden size."""
-        name = self.manifest.outputs.get("hidden_states")
-        if not name or name not in self.graph.output_names:
-            raise GenerationError(
-                f"{self.graph.path} has no hidden_states output, and a draft head reads the target's last hidden "
-                "state; re-export the target with `rlxrt export SRC OUT --with-hidden-states`")
-        if name not in self.output_names:
-            self.output_names.append(name)
-        shape = next(t.shape for t in self.graph.outputs if t.name == name)
-        return int(shape[-1]) if shape and isinstance(shape[-1], int) else -1
 
     def reset(self) -> None:
         self.length = 0

@@ -38,7 +38,7 @@ class MtpHead:
                                    "'mtp'); pass a model directory to DraftModel instead")
         self.model = StateModel(graph)
         self.hidden_size = int(m.draft_head["hidden_size"])
-        self.target: KVModel | None = None
+        self.target: KVModel | StateModel | None = None
         self.reset()
 
     @property
@@ -49,10 +49,7 @@ class MtpHead:
     def run_seconds(self) -> float:
         return self.model.run_seconds
 
-    def bind(self, target) -> None:
-        if not isinstance(target, KVModel):
-            raise GenerationError("an MTP head drafts for a transformer target (KV cache); this target is "
-                                  "recurrent: use a draft model or prompt lookup")
+    def bind(self, target: KVModel | StateModel) -> None:
         check_same_vocabulary(target, self.model)
         size = target.fetch_hidden()
         if size not in (-1, self.hidden_size):

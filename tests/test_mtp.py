@@ -13,7 +13,7 @@ from rlxrt.backends import compile
 from rlxrt.errors import GenerationError, ModelFormatError
 from rlxrt.sampling import SamplingParams
 from rlxrt.speculator import AcceptDecision, Context, VerifyResult
-from rlxrt.sessions import DraftModel, KVModel, MtpHead, Session, StateModel
+from rlxrt.sessions import DraftModel, KVModel, MtpHead, Session, StateModel, decoder_for
 
 from lossless import assert_first_two_tokens_follow, two_token_marginals
 
@@ -106,11 +106,21 @@ def sequential_state(head_dir, tokens):
     return m.state()[0]
 
 
+@pytest.fixture(scope="module")
+def mamba_pair(exported, tmp_path_factory):
+    target = exported("mamba", seed=0, with_hidden=True)
+    return target, make_head(target, exported.source("mamba", seed=0), tmp_path_factory.mktemp("mtp") / "head")
+
+
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_head_state_after_commit_equals_feeding_the_committed_tokens_one_at_a_time(target, head, k):
-    """Drive propose / verify / commit by hand with forced accept patterns j = 0..k (j = k: bonus)."""
+@pytest.mark.parametrize("kind", ["llama", "mamba"])
+def test_head_state_after_commit_equals_feeding_the_committed_tokens_one_at_a_time(request, kind, k):
+    """Drive propose / verify / commit by hand with forced accept patterns j = 0..k (j = k: bonus), for a
+    transformer and a recurrent target."""
+    target, head = (request.getfixturevalue("target"), request.getfixturevalue("head")) if kind == "llama" \
+        else request.getfixturevalue("mamba_pair")
     rng = np.random.default_rng(k)
-    tgt = KVModel(compile(target, CFG))
+    tgt = decoder_for(compile(target, CFG))
     spec = MtpHead(head, CFG)
     spec.bind(tgt)
     vocab = tgt.vocab_size
@@ -134,7 +144,7 @@ def test_head_state_after_commit_equals_feeding_the_committed_tokens_one_at_a_ti
         want = sequential_state(head, ctx.tokens[1:spec.model.length + 1])
         np.testing.assert_allclose(spec.model.state()[0], want, atol=1e-5)
         # the kept hidden state is the target's own, of the position before the pending token
-        ref = KVModel(compile(target, CFG))
+        ref = decoder_for(compile(target, CFG))
         ref.fetch_hidden()
         ref.forward(ctx.tokens[:-1])
         np.testing.assert_allclose(spec.last, ref.hidden[n - 2:n - 1], atol=1e-4)
@@ -190,7 +200,7 @@ def test_bad_bindings_are_clear_errors(exported, head):
         DraftModel(head, CFG)
     with pytest.raises(ModelFormatError, match="not an MTP head"):
         MtpHead(exported("llama", seed=0), CFG)
-    with pytest.raises(GenerationError, match="recurrent"):
+    with pytest.raises(GenerationError, match="--with-hidden-states"):
         Session(exported("mamba", seed=0), MtpHead(head, CFG), CFG)
     with pytest.raises(GenerationError, match="hidden states of size 64, the target's are 32"):
         Session(exported("llama", seed=3, with_hidden=True, hidden=32), MtpHead(head, CFG), CFG)
@@ -212,3 +222,20 @@ def test_a_long_prompt_is_read_in_chunks(target, head, exported):
     plain = Session(exported("llama", seed=0), None, CFG).generate(prompt, max_new_tokens=20, ignore_eos=True)
     g = Session(target, MtpHead(head, CFG), CFG, k=3).generate(prompt, max_new_tokens=20, ignore_eos=True)
     assert g.token_ids == plain.token_ids
+
+
+@pytest.mark.parametrize("family", ["mamba", "jamba"])
+def test_mtp_head_for_recurrent_and_hybrid_targets(exported, family, tmp_path):
+    """`--with-hidden-states` on a recurrent (Mamba) and a hybrid (Jamba) export: the hidden state is
+    validated, and a head bound to it drafts with exact greedy output (target state, KV cache and head
+    state all rolled back in the same commits)."""
+    kw = {"layers": 4} if family == "jamba" else {}
+    target = exported(family, seed=0, with_hidden=True, **kw)
+    m = rlxrt.Manifest.load(target)
+    assert m.outputs["hidden_states"] == "hidden_states" and m.validation["max_abs_diff_hidden"] < 1e-4
+    head = make_head(target, exported.source(family, seed=0, **kw), tmp_path / "head")
+    plain = Session(exported(family, seed=0, **kw), None, CFG).generate(PROMPT, max_new_tokens=30,
+                                                                       ignore_eos=True).token_ids
+    for k in (1, 3):
+        g = Session(target, MtpHead(head, CFG), CFG, k=k).generate(PROMPT, max_new_tokens=30, ignore_eos=True)
+        assert g.token_ids == plain and g.stats.drafted > 0
