@@ -59,13 +59,10 @@ def draft_chain(logits: np.ndarray, k: int, ctx: Context, step) -> DraftProposal
     return DraftProposal(tokens, rows)
 
 
-class DraftModel:
-    name = "draft-model"
-    default_k = 4  # best at temperature 0 on the shipped pair (exporters/reference/results/bench.json)
+class ModelSpeculator:
+    """A speculator that runs a graph of its own (``model``): its providers and its time in ORT."""
 
-    def __init__(self, draft: str | os.PathLike | CompiledGraph, config: Config | None = None):
-        graph = draft if isinstance(draft, CompiledGraph) else compile(draft, config)
-        self.model = decoder_for(graph)
+    model: KVModel | StateModel
 
     @property
     def providers(self) -> list[str]:
@@ -74,6 +71,15 @@ class DraftModel:
     @property
     def run_seconds(self) -> float:
         return self.model.run_seconds
+
+
+class DraftModel(ModelSpeculator):
+    name = "draft-model"
+    default_k = 4  # best at temperature 0 on the shipped pair (exporters/reference/results/bench.json)
+
+    def __init__(self, draft: str | os.PathLike | CompiledGraph, config: Config | None = None):
+        graph = draft if isinstance(draft, CompiledGraph) else compile(draft, config)
+        self.model = decoder_for(graph)
 
     def bind(self, target: KVModel | StateModel) -> None:
         check_same_vocabulary(target, self.model)

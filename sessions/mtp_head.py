@@ -21,12 +21,12 @@ from rlxrt.config import Config
 from rlxrt.errors import GenerationError, ModelFormatError
 from rlxrt.speculator import AcceptDecision, Context, DraftProposal, VerifyResult
 
-from .draft_model import check_same_vocabulary, draft_chain
+from .draft_model import ModelSpeculator, check_same_vocabulary, draft_chain
 from .kv import KVModel
 from .state import StateModel
 
 
-class MtpHead:
+class MtpHead(ModelSpeculator):
     name = "mtp-head"
     default_k = 4
 
@@ -40,14 +40,6 @@ class MtpHead:
         self.hidden_size = int(m.draft_head["hidden_size"])
         self.target: KVModel | StateModel | None = None
         self.reset()
-
-    @property
-    def providers(self) -> list[str]:
-        return self.model.providers
-
-    @property
-    def run_seconds(self) -> float:
-        return self.model.run_seconds
 
     def bind(self, target: KVModel | StateModel) -> None:
         check_same_vocabulary(target, self.model)
