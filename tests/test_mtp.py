@@ -239,3 +239,22 @@ def test_mtp_head_for_recurrent_and_hybrid_targets(exported, family, tmp_path):
     for k in (1, 3):
         g = Session(target, MtpHead(head, CFG), CFG, k=k).generate(PROMPT, max_new_tokens=30, ignore_eos=True)
         assert g.token_ids == plain and g.stats.drafted > 0
+
+
+def test_cli_generate_with_a_head(exported, target, head, plain):
+    import json
+    import subprocess
+    import sys
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "rlxrt", "generate", "--target", str(target), *args],
+                              capture_output=True, text=True, timeout=300)
+
+    r = cli("--head", str(head), "-k", "3", "--prompt", PROMPT, "--max-new-tokens", "40", "--ignore-eos", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["token_ids"] == plain and out["stats"]["speculator"] == "mtp-head"
+    r = cli("--speculator", "mtp", "--prompt", PROMPT)  # no head shipped for this target
+    assert r.returncode == 1 and "needs --head DIR" in r.stderr
+    r = cli("--head", str(head), "--speculator", "prompt-lookup", "--prompt", PROMPT)
+    assert r.returncode == 1 and "exclude each other" in r.stderr
