@@ -21,7 +21,7 @@ from rlxrt.manifest import KVCacheLayout, Manifest
 from .deps import require_export_stack, versions
 from .hidden import HIDDEN, add_hidden_output
 from .source import RECURRENT, TASK, check_architecture, read_config, resolve_source, weights_hash
-from .validate import TOLERANCE, reference_logits, validate
+from .validate import TOLERANCE, hidden_diff, reference_logits, validate
 from .variants import to_fp16, to_int8
 
 GRAPH = "model.onnx"
@@ -269,8 +269,9 @@ def _optimum_export(optimum_onnx, model, raw: Path) -> None:
 
 def _validate(torch, model, manifest: Manifest, run, tolerance: float) -> dict:
     prompt_len = 8
-    ids, ref, hidden = reference_logits(torch, model, manifest.vocab_size, prompt_len=prompt_len, step_len=4)
-    return validate(run, manifest, ids, ref, prompt_len, tolerance, hidden)
+    ids, ref = reference_logits(torch, model, manifest.vocab_size, prompt_len=prompt_len, step_len=4)
+    return validate(run, manifest, ids, ref, prompt_len, tolerance,
+                    lambda *outs: hidden_diff(torch, model, ids, *outs))
 
 
 def _write(manifest: Manifest, final: Path, out: Path, force: bool) -> None:
