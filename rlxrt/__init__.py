@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "compile": ("rlxrt.backends", "compile"),
     "CompiledGraph": ("rlxrt.backends", "CompiledGraph"),
-    "export": ("rlxrt.api", "export"),
+    "export": ("rlxrt.app.api", "export"),
     "Session": ("rlxrt.sessions", "Session"),
     "Generation": ("rlxrt.sessions", "Generation"),
     "DraftModel": ("rlxrt.sessions", "DraftModel"),

@@ -1,3 +1,6 @@
-from .cli import main
+"""``python -m rlxrt``: the same as the ``rlxrt`` command."""
+import sys
 
-raise SystemExit(main())
+from rlxrt.app.cli import main
+
+sys.exit(main())

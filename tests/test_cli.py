@@ -21,7 +21,7 @@ def test_version():
 
 
 def test_help_does_not_import_torch_or_ort():
-    code = ("import sys; from rlxrt.cli import build_parser; build_parser().format_help(); "
+    code = ("import sys; from rlxrt.app.cli import build_parser; build_parser().format_help(); "
             "print('torch' in sys.modules, 'onnxruntime' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.stdout.split() == ["False", "False"], r.stderr

@@ -26,7 +26,7 @@ def make_head(target_dir, src_dir, out, seed=0):
     import torch
     import transformers as tf
 
-    from rlxrt.api import runner
+    from rlxrt.app.api import runner
     from rlxrt.exporters.mtp import HeadConfig, build_head, write_head
 
     model = tf.AutoModelForCausalLM.from_pretrained(str(src_dir))

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 from rlxrt import Config, Manifest
-from rlxrt.reference import REFERENCE, reference_pair, reference_prompts
+from rlxrt.app.reference import REFERENCE, reference_pair, reference_prompts
 
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("RLXRT_")}
 
@@ -38,7 +38,7 @@ def test_shipped_pair_speculative_greedy_equals_plain():
 
 
 def test_demo_runs_end_to_end():
-    code = "import sys; sys.modules['torch'] = None\nfrom rlxrt.cli import main\nsys.exit(main(sys.argv[1:]))"
+    code = "import sys; sys.modules['torch'] = None\nfrom rlxrt.app.cli import main\nsys.exit(main(sys.argv[1:]))"
     r = subprocess.run([sys.executable, "-c", code, "demo", "--max-new-tokens", "24", "--repeats", "1"],
                        capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -47,7 +47,7 @@ def test_demo_runs_end_to_end():
 
 
 def test_shipped_mtp_head_is_exact_and_agrees_often():
-    from rlxrt.reference import reference_head
+    from rlxrt.app.reference import reference_head
     from rlxrt.sessions import MtpHead, Session
 
     head = reference_head()
@@ -70,7 +70,7 @@ def test_generate_cli_with_the_shipped_mtp_head():
     import json
 
     target, _ = reference_pair()
-    code = "import sys; sys.modules['torch'] = None\nfrom rlxrt.cli import main\nsys.exit(main(sys.argv[1:]))"
+    code = "import sys; sys.modules['torch'] = None\nfrom rlxrt.app.cli import main\nsys.exit(main(sys.argv[1:]))"
     args = ["generate", "--target", str(target), "--speculator", "mtp", "--prompt", "def read(path):",
             "--max-new-tokens", "16", "--ignore-eos", "--json"]
     r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=ENV, timeout=300)

@@ -11,9 +11,9 @@ from typing import TextIO
 
 def run_demo(target: Path, draft: Path, prompt: str, *, max_new_tokens: int = 128, k: int | None = None, threads: int = 1,
              repeats: int = 3, out: TextIO = sys.stdout) -> dict:
-    from .backends import compile
-    from .config import Config
-    from .sessions import DraftModel, Session
+    from rlxrt.backends import compile
+    from rlxrt.config import Config
+    from rlxrt.sessions import DraftModel, Session
 
     config = Config(intra_op_threads=threads, providers=("cpu",))
     t0 = time.perf_counter()

@@ -4,8 +4,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .errors import ModelFormatError
-from .manifest import MANIFEST_NAME, Manifest
+from rlxrt.errors import ModelFormatError
+from rlxrt.manifest import MANIFEST_NAME, Manifest
 
 
 def _shape(t) -> list:
@@ -17,7 +17,7 @@ def inspect_model(model: str | os.PathLike) -> dict[str, Any]:
     import onnx
     from onnx import helper
 
-    from .backends.modelfile import external_files, locate
+    from rlxrt.backends.modelfile import external_files, locate
 
     graph_path, manifest = locate(model)
     proto, ext = external_files(graph_path)

@@ -11,8 +11,8 @@ import logging
 import sys
 from typing import Any, Callable
 
-from . import __version__
-from .errors import RlxrtError
+from rlxrt import __version__
+from rlxrt.errors import RlxrtError
 
 EXIT_ERROR = 1  # an RlxrtError: bad input, missing provider, failed export ...
 EXIT_USAGE = 2  # argparse's own exit code for bad flags
@@ -24,7 +24,7 @@ def _print_json(obj: Any) -> None:
 
 
 def _config(args: argparse.Namespace):
-    from .config import load_config
+    from rlxrt.config import load_config
 
     return load_config(getattr(args, "config", None), providers=getattr(args, "providers", None),
                        strict=True if getattr(args, "strict", False) else None,
@@ -32,7 +32,7 @@ def _config(args: argparse.Namespace):
 
 
 def cmd_providers(args: argparse.Namespace) -> int:
-    from .backends import default_registry
+    from rlxrt.backends import default_registry
 
     config = _config(args)
     reg = default_registry()
@@ -61,7 +61,7 @@ def cmd_providers(args: argparse.Namespace) -> int:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from .backends import compile
+    from rlxrt.backends import compile
 
     graph = compile(args.model, _config(args))
     if args.json:
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="an .onnx file or a directory made by `rlxrt export`")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
-    from .cli_more import add_commands
+    from .commands import add_commands
 
     add_commands(add, runtime_flags)
     return parser

@@ -1,12 +1,14 @@
-"""The shipped reference pair (trained by exporters/reference), located inside the installed package."""
+"""The shipped reference pair (trained by exporters/reference), found inside the installed package with
+``importlib.resources``, so editable and regular installs alike find it."""
 from __future__ import annotations
 
 import json
+from importlib.resources import files
 from pathlib import Path
 
-from .errors import ModelFormatError
+from rlxrt.errors import ModelFormatError
 
-REFERENCE = Path(__file__).resolve().parent / "assets" / "reference"
+REFERENCE = Path(str(files("rlxrt") / "assets" / "reference"))
 
 
 def reference_pair() -> tuple[Path, Path]:
@@ -29,4 +31,11 @@ def reference_prompts() -> list[str]:
     path = REFERENCE / "prompts.json"
     if not path.is_file():
         return []
-    return [p["prompt"] for p in json.loads(path.read_text())]
+    return [p["prompt"] for p in json.loads(path.read_text(encoding="utf-8"))]
+
+
+def reference_weights() -> tuple[Path, Path] | None:
+    """The Hugging Face weights of the shipped pair (for the transformers peers of ``rlxrt bench``): present
+    in a source checkout only, not in the wheel."""
+    weights = Path(str(files("rlxrt.exporters.reference") / "weights"))
+    return (weights / "target", weights / "draft") if (weights / "target").is_dir() else None

@@ -37,7 +37,7 @@ def _cache_kind(m) -> str:
 
 
 def _prompt(args: argparse.Namespace) -> str:
-    from .errors import GenerationError
+    from rlxrt.errors import GenerationError
 
     if args.prompt is not None and args.prompt_file is not None:
         raise GenerationError("pass either --prompt or --prompt-file, not both")
@@ -56,8 +56,8 @@ def _prompt(args: argparse.Namespace) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .cli import _config
-    from .errors import GenerationError
-    from .sessions import DraftModel, MtpHead, PromptLookup, Session
+    from rlxrt.errors import GenerationError
+    from rlxrt.sessions import DraftModel, MtpHead, PromptLookup, Session
 
     prompt = _prompt(args)
     config = _config(args)
@@ -99,7 +99,7 @@ def _head(head: str | None, target: str | None):
     """--head, or the shipped MTP head when the target is the shipped one."""
     from pathlib import Path
 
-    from .errors import GenerationError
+    from rlxrt.errors import GenerationError
     from .reference import reference_head, reference_pair
 
     if head:
@@ -115,7 +115,7 @@ def _pair(args: argparse.Namespace):
     from pathlib import Path
 
     from .reference import reference_pair
-    from .errors import GenerationError
+    from rlxrt.errors import GenerationError
 
     if args.target and args.draft:
         return Path(args.target), Path(args.draft)
@@ -126,7 +126,7 @@ def _pair(args: argparse.Namespace):
 
 def _prompts(args: argparse.Namespace, n: int) -> list[str]:
     from .reference import reference_prompts
-    from .errors import GenerationError
+    from rlxrt.errors import GenerationError
 
     if getattr(args, "prompt_file", None):
         import json
@@ -165,11 +165,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         hf_target = Path(args.hf_target) if args.hf_target else None
         hf_draft = Path(args.hf_draft) if args.hf_draft else None
         if hf_target is None and not args.target:
-            from .reference import REFERENCE
+            from .reference import reference_weights
 
-            weights = REFERENCE.parent.parent.parent / "exporters" / "reference" / "weights"
-            if (weights / "target").is_dir():
-                hf_target, hf_draft = weights / "target", weights / "draft"
+            hf_target, hf_draft = reference_weights() or (None, None)
         if hf_target and hf_draft:
             try:
                 import torch  # noqa: F401

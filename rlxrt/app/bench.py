@@ -80,11 +80,11 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
               repeats: int = 3, temperatures=(0.0, 0.7), ks=(2, 4, 6), threads: int = 1,
               hf_dirs: tuple[Path, Path] | None = None, progress: bool = True,
               head_dir: Path | None = None) -> dict[str, Any]:
-    from .config import Config
-    from .sessions import DraftModel, MtpHead, PromptLookup, Session
+    from rlxrt.config import Config
+    from rlxrt.sessions import DraftModel, MtpHead, PromptLookup, Session
 
     config = Config(intra_op_threads=threads, providers=("cpu",))
-    from .backends import compile
+    from rlxrt.backends import compile
 
     target_graph = compile(target_dir, config)
     draft_graph = compile(draft_dir, config) if draft_dir else None
@@ -100,7 +100,7 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
                 for s in specs}
     hf = None
     if hf_dirs is not None:
-        from .exporters.peers import HFPeers
+        from rlxrt.exporters.peers import HFPeers
 
         hf = HFPeers(hf_dirs[0], hf_dirs[1], threads=threads)
     names = list(sessions) + (hf.names if hf else [])
@@ -161,7 +161,7 @@ def _summarise(names, times, stats) -> dict[str, Any]:
         row: dict[str, Any] = {"tokens_per_s": round(1.0 / statistics.median(per_tok), 1),
                                "speedup": round(statistics.median(ratios), 3)}
         if stats[name]:
-            from .stats import RequestStats
+            from rlxrt.stats import RequestStats
 
             tot = RequestStats()
             for s in stats[name]:
@@ -220,10 +220,10 @@ def heldout_loss(model_dir: Path, texts: list[str], window: int = 512, threads: 
     """Mean next-token loss (nats) of an exported model on texts, in non-overlapping windows, run by rlxrt."""
     import numpy as np
 
-    from .backends import compile
-    from .config import Config
-    from .sessions import KVModel
-    from .sessions.text import codec_for
+    from rlxrt.backends import compile
+    from rlxrt.config import Config
+    from rlxrt.sessions import KVModel
+    from rlxrt.sessions.text import codec_for
 
     graph = compile(model_dir, Config(intra_op_threads=threads, cache=False))
     model, codec = KVModel(graph), codec_for(graph)

@@ -16,10 +16,10 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32
     ``with_hidden_states`` adds the last hidden state as an output (for ``MtpHead``).
     Needs ``pip install 'rlxrt[export]'``.
     """
-    from .exporters.deps import require_export_stack
+    from rlxrt.exporters.deps import require_export_stack
 
     require_export_stack()
-    from .exporters import export_model
+    from rlxrt.exporters import export_model
 
     return export_model(src, out, runner=runner, dtype=dtype, quantize=quantize, force=force,
                         validate_export=validate, atol=atol, report=report,
@@ -29,8 +29,8 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32
 def runner(graph_path: str | os.PathLike) -> Callable[[dict], dict]:
     """``run(feeds) -> {output name: array}`` on a CPU session of ``graph_path``: how exporters validate a
     graph without creating ORT sessions themselves."""
-    from .backends import compile
-    from .config import Config
+    from rlxrt.backends import compile
+    from rlxrt.config import Config
 
     graph = compile(graph_path, Config(providers=("cpu",), cache=False, intra_op_threads=1))
     names = graph.output_names
