@@ -23,7 +23,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
+import numpy as np
+
 from .errors import ConfigError
+from .files import read_text
+from .limits import MAX_THREADS
 from .providers import NAMES as PROVIDER_NAMES
 
 if sys.version_info >= (3, 11):
@@ -50,9 +54,9 @@ class Config:
     strict: bool = False
     """If true, a preferred provider that is unavailable or silently replaced is an error, not a warning."""
     intra_op_threads: int = 0
-    """Threads inside one operator; 0 lets ONNX Runtime choose (one per physical core)."""
+    """Threads inside one operator; 0 lets ONNX Runtime choose (one per physical core); at most 256."""
     inter_op_threads: int = 0
-    """Threads across independent operators; 0 lets ONNX Runtime choose."""
+    """Threads across independent operators; 0 lets ONNX Runtime choose; at most 256."""
     allow_spinning: bool | None = None
     """Let idle intra-op threads spin; None means off unless intra_op_threads == 1 (spinning doubles step time on a busy machine)."""
     graph_optimization: str = "all"
@@ -100,8 +104,8 @@ def _check_keys(values: Mapping[str, Any], source: str) -> None:
 
 
 def _bool(key: str, value: Any, source: str) -> bool:
-    if isinstance(value, bool):
-        return value
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
     if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
         return True
     if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
@@ -109,15 +113,16 @@ def _bool(key: str, value: Any, source: str) -> bool:
     raise ConfigError(f"config key {key!r} (from {source}) must be true or false, got {value!r}")
 
 
-def _int(key: str, value: Any, source: str, low: int = 0) -> int:
-    if isinstance(value, bool):
-        raise ConfigError(f"config key {key!r} (from {source}) must be an integer >= {low}, got {value!r}")
+def _int(key: str, value: Any, source: str, low: int = 0, high: int | None = None) -> int:
+    allowed = f"an integer in {low}..{high}" if high is not None else f"an integer >= {low}"
+    if isinstance(value, (bool, np.bool_)):
+        raise ConfigError(f"config key {key!r} (from {source}) must be {allowed}, got {value!r}")
     try:
         out = int(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"config key {key!r} (from {source}) must be an integer >= {low}, got {value!r}") from None
-    if out < low or (isinstance(value, float) and value != out):
-        raise ConfigError(f"config key {key!r} (from {source}) must be an integer >= {low}, got {value!r}")
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"config key {key!r} (from {source}) must be {allowed}, got {value!r}") from None
+    if out < low or (high is not None and out > high) or (isinstance(value, float) and value != out):
+        raise ConfigError(f"config key {key!r} (from {source}) must be {allowed}, got {value!r}")
     return out
 
 
@@ -182,7 +187,7 @@ def _coerce(key: str, value: Any, source: str) -> Any:
     if key == "strict" or key == "cache":
         return _bool(key, value, source)
     if key in ("intra_op_threads", "inter_op_threads"):
-        return _int(key, value, source)
+        return _int(key, value, source, 0, MAX_THREADS)
     if key == "allow_spinning":
         if value is None or (isinstance(value, str) and value.strip().lower() in ("", "auto")):
             return None
@@ -220,13 +225,11 @@ def _from_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def _from_file(path: Path) -> dict[str, Any]:
+    text = read_text(path, "config file", ConfigError)
     try:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {str(path)!r}; pass an existing TOML file") from None
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}; fix the file") from None
     _check_keys(data, f"file {path}")
     return data
 

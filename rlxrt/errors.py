@@ -32,3 +32,7 @@ class ExportError(RlxrtError):
 
 class GenerationError(RlxrtError, ValueError):
     """A generation request is invalid (bad prompt, bad sampling parameter, …)."""
+
+
+class UsageError(RlxrtError, ValueError):
+    """Command-line options or arguments that are malformed or exclude each other (exit code 2)."""

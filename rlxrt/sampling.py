@@ -17,7 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .checks import as_float, as_int
 from .errors import GenerationError
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -30,13 +33,13 @@ class SamplingParams:
     """Keep the smallest set of most likely tokens whose mass reaches top_p; 1.0 keeps all."""
 
     def __post_init__(self) -> None:
-        t, k, p = self.temperature, self.top_k, self.top_p
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not np.isfinite(t) or t < 0:
-            raise GenerationError(f"temperature must be a number >= 0 (0 = greedy), got {t!r}")
-        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 0:
-            raise GenerationError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
-        if not isinstance(p, (int, float)) or isinstance(p, bool) or not (0.0 < p <= 1.0):
-            raise GenerationError(f"top_p must be in (0, 1] (1 = off), got {p!r}")
+        set_ = object.__setattr__
+        set_(self, "temperature", as_float(self.temperature, "temperature (0 = greedy)", 0.0))
+        set_(self, "top_k", as_int(self.top_k, "top_k (0 = off)", 0))
+        p = as_float(self.top_p, "top_p (1 = off)", 0.0, 1.0)
+        if p == 0.0:
+            raise GenerationError("top_p must be in (0, 1] (1 = off), got 0.0; use temperature=0 for greedy")
+        set_(self, "top_p", p)
 
     @property
     def greedy(self) -> bool:
@@ -45,8 +48,8 @@ class SamplingParams:
 
 def make_rng(seed: int | None) -> np.random.Generator:
     """A counter-based (Philox) generator: the same seed reproduces a run exactly."""
-    if seed is not None and (not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0):
-        raise GenerationError(f"seed must be an integer >= 0 or None, got {seed!r}")
+    if seed is not None:
+        seed = as_int(seed, "seed (or None)", 0, 2**128 - 1)
     return np.random.Generator(np.random.Philox(seed))
 
 
@@ -59,15 +62,23 @@ def probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         out = np.zeros(x.shape, np.float64)
         out[np.arange(x.shape[0]), x.argmax(-1)] = 1.0
         return out
-    # exp in float32 (4x faster than float64 in numpy; relative error ~1e-7), sums in float64
-    x = x.astype(np.float32) * np.float32(1.0 / params.temperature)  # a fresh array: work in place below
+    # exp in float32 (4x faster than float64 in numpy; relative error ~1e-7), sums in float64.
+    # The max is subtracted BEFORE scaling, so every scaled value is <= 0 and exp cannot overflow; the
+    # scale 1/T is capped at float32's largest value, so even T = 1e-300 gives a one-hot row, never NaN.
+    x = x.astype(np.float32)  # a fresh array: work in place below
     v = x.shape[-1]
-    if 0 < params.top_k < v:
+    if 0 < params.top_k < v:  # order is the same before and after scaling
         kth = np.partition(x, v - params.top_k, axis=-1)[:, v - params.top_k][:, None]
         x[x < kth] = -np.inf
     x -= x.max(-1, keepdims=True)
+    with np.errstate(over="ignore"):  # a huge scale sends non-max entries to -inf: exp gives 0, as meant
+        x *= np.float32(min(1.0 / params.temperature, FLOAT32_MAX))
     p = np.exp(x, out=x).astype(np.float64)
-    p /= p.sum(-1, keepdims=True)
+    total = p.sum(-1, keepdims=True)
+    if not np.isfinite(total).all():  # NaN logits: the model is broken, never a silent wrong token
+        raise GenerationError(f"the model produced non-finite logits (NaN) in {int((~np.isfinite(total)).sum())} "
+                              "row(s); check the export (e.g. fp16 overflow) or use the fp32 variant")
+    p /= total
     if params.top_p < 1.0:
         order = np.argsort(-p, axis=-1, kind="stable")
         sorted_p = np.take_along_axis(p, order, -1)

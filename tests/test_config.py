@@ -60,7 +60,8 @@ def test_provider_options(tmp_path):
     ({"providers": []}, ["providers", "non-empty"]),
     ({"providers": ["cpu", "cpu"]}, ["twice"]),
     ({"strict": "maybe"}, ["strict", "'maybe'", "true or false"]),
-    ({"intra_op_threads": -1}, ["intra_op_threads", "-1", ">= 0"]),
+    ({"intra_op_threads": -1}, ["intra_op_threads", "-1", "0..256"]),
+        ({"intra_op_threads": 10**6}, ["intra_op_threads", "1000000", "0..256"]),
     ({"intra_op_threads": "two"}, ["intra_op_threads", "'two'"]),
     ({"inter_op_threads": 1.5}, ["inter_op_threads", "1.5"]),
     ({"graph_optimization": "max"}, ["graph_optimization", "'max'", "disable, basic, extended, layout, all"]),
@@ -84,7 +85,7 @@ def test_bad_file(tmp_path):
     f = write(tmp_path, 'providers = [\n')
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(f, env={})
-    with pytest.raises(ConfigError, match="config file not found"):
+    with pytest.raises(ConfigError, match="config file .* does not exist"):
         load_config(tmp_path / "nope.toml", env={})
     f = write(tmp_path, 'intra_op_threads = "lots"\n')
     with pytest.raises(ConfigError, match="intra_op_threads.*from file.*'lots'"):
