@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ModelFormatError
+from .files import read_json
 
 MANIFEST_NAME = "rlxrt.json"
 SCHEMA = "rlxrt.manifest/1"
@@ -38,9 +39,7 @@ class KVCacheLayout:
     present_key: str
     """Output name pattern of the present keys (``present.{i}.key``)."""
     present_value: str
-    """Output name pattern of the present values."""
-    seq_axis: int = 2
-    """Axis of the sequence length in a cache tensor [batch, kv_heads, seq, head_dim]."""
+    """Output name pattern of the present values. Every cache tensor is [batch, kv_heads, seq, head_dim]."""
 
     def names(self, i: int) -> tuple[str, str, str, str]:
         return (self.past_key.format(i=i), self.past_value.format(i=i),
@@ -125,58 +124,20 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "manifest") -> "Manifest":
-        schema = data.get("schema")
-        if not isinstance(schema, str) or not schema.startswith("rlxrt.manifest/"):
-            raise ModelFormatError(f"{where}: missing or foreign 'schema' {schema!r}; expected {SCHEMA!r}")
-        if schema.split("/")[-1] != SCHEMA.split("/")[-1]:
-            raise ModelFormatError(
-                f"{where}: schema {schema!r} is not supported by this rlxrt (reads {SCHEMA!r}); "
-                "re-export the model with this version of rlxrt"
-            )
-        data = dict(data)
-        kv = data.get("kv_cache")
-        try:
-            data["kv_cache"] = KVCacheLayout(**kv) if kv is not None else None
-            st = data.get("state")
-            if st is not None:
-                tensors = tuple(StateTensor(t["input"], t["output"], tuple(int(d) for d in t["shape"]), t["dtype"])
-                                for t in st["tensors"])
-                data["state"] = StateLayout(tensors, int(st["max_tokens_per_call"]))
-            data["eos_token_ids"] = tuple(int(t) for t in data.get("eos_token_ids") or ())
-            manifest = cls(**data)
-        except (TypeError, KeyError) as exc:
-            raise ModelFormatError(f"{where}: malformed manifest ({exc}); re-export the model") from None
-        manifest.check(where)
-        return manifest
+        """Build and check a manifest; every wrong type, range or missing field is a ModelFormatError naming
+        the field (see ``manifest_check.py``)."""
+        from .manifest_check import parse
+
+        return parse(cls, data, where)
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> "Manifest":
         path = Path(directory) / MANIFEST_NAME
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
+        if not path.is_file():
             raise ModelFormatError(
-                f"{str(directory)!r} has no {MANIFEST_NAME}; export the model with `rlxrt export SRC OUT`"
-            ) from None
-        except json.JSONDecodeError as exc:
-            raise ModelFormatError(f"{str(path)!r} is not valid JSON ({exc}); re-export the model") from None
+                f"{str(directory)!r} has no {MANIFEST_NAME}; export the model with `rlxrt export SRC OUT`")
+        data = read_json(path, "manifest", ModelFormatError)
         return cls.from_dict(data, where=str(path))
-
-    def check(self, where: str = "manifest") -> None:
-        """Internal consistency; raises ModelFormatError naming the bad field."""
-        if self.vocab_size <= 0:
-            raise ModelFormatError(f"{where}: vocab_size must be positive, got {self.vocab_size}")
-        if self.max_positions <= 0:
-            raise ModelFormatError(f"{where}: max_positions must be positive, got {self.max_positions}")
-        if not self.inputs.get("input_ids"):
-            raise ModelFormatError(f"{where}: inputs.input_ids is required")
-        if not self.outputs.get("logits"):
-            raise ModelFormatError(f"{where}: outputs.logits is required")
-        if self.kv_cache is None and self.state is None:
-            raise ModelFormatError(f"{where}: the manifest declares neither a KV cache nor recurrent state")
-        for t in self.eos_token_ids:
-            if not 0 <= t < self.vocab_size:
-                raise ModelFormatError(f"{where}: eos token id {t} is outside the vocabulary (size {self.vocab_size})")
 
 
 def is_model_dir(path: str | os.PathLike) -> bool:

@@ -1,0 +1,159 @@
+"""Parsing ``rlxrt.json`` field by field: the type and range of every field, so a bad model directory
+fails at load with the field's name and the fix, not later as ONNX Runtime's text. (The names and widths
+it gives are then checked against the graph itself by ``rlxrt.backends`` at compile time.)"""
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+from .errors import ModelFormatError
+
+DTYPES = ("float32", "float16", "bfloat16", "int8", "int4")
+CACHE_DTYPES = ("float32", "float16", "bfloat16")
+FIX = "re-export the model with `rlxrt export`, or correct the field"
+
+
+class _Fields:
+    def __init__(self, data: Any, where: str, path: str = ""):
+        if not isinstance(data, dict):
+            raise ModelFormatError(f"{where}: {path or 'the manifest'} must be a JSON object, got "
+                                   f"{type(data).__name__}; {FIX}")
+        self.data, self.where, self.path = data, where, path
+
+    def _name(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def fail(self, key: str, what: str, value: Any) -> ModelFormatError:
+        return ModelFormatError(f"{self.where}: field {self._name(key)!r} must be {what}, got {value!r}; {FIX}")
+
+    def get(self, key: str, required: bool = True) -> Any:
+        if key not in self.data:
+            if required:
+                raise ModelFormatError(f"{self.where}: field {self._name(key)!r} is missing; {FIX}")
+            return None
+        return self.data[key]
+
+    def text(self, key: str, required: bool = True, file_name: bool = False) -> str | None:
+        v = self.get(key, required)
+        if v is None and not required:
+            return None
+        if not isinstance(v, str) or not v:
+            raise self.fail(key, "a non-empty string", v)
+        if file_name and (v in (".", "..") or "/" in v or "\\" in v):
+            raise self.fail(key, "a file name inside the model directory (no path)", v)
+        return v
+
+    def integer(self, key: str, low: int | None = None, high: int | None = None, required: bool = True,
+                value: Any = None) -> int | None:
+        v = self.get(key, required) if value is None else value
+        if v is None and not required:
+            return None
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or (low is not None and v < low) \
+                or (high is not None and v > high):
+            span = f" in {low}..{high}" if high is not None else f" >= {low}" if low is not None else ""
+            raise self.fail(key, f"an integer{span}", v)
+        return int(v)
+
+    def choice(self, key: str, allowed: tuple[str, ...]) -> str:
+        v = self.get(key)
+        if v not in allowed:
+            raise self.fail(key, f"one of {', '.join(allowed)}", v)
+        return v
+
+    def table(self, key: str, required: bool = True) -> dict | None:
+        v = self.get(key, required)
+        if v is None and not required:
+            return None
+        if not isinstance(v, dict):
+            raise self.fail(key, "a JSON object", v)
+        return v
+
+    def sub(self, key: str) -> "_Fields":
+        return _Fields(self.get(key), self.where, self._name(key))
+
+    def names(self, key: str, required_roles: tuple[str, ...]) -> dict[str, str | None]:
+        v = self.table(key)
+        for role, name in v.items():
+            if name is not None and (not isinstance(name, str) or not name):
+                raise self.fail(f"{key}.{role}", "a graph tensor name or null", name)
+        for role in required_roles:
+            if not v.get(role):
+                raise ModelFormatError(f"{self.where}: field {self._name(key + '.' + role)!r} is required "
+                                       f"(the graph's {role} tensor); {FIX}")
+        return dict(v)
+
+
+def parse(cls, data: Any, where: str):
+    """A Manifest instance of ``cls`` from the decoded JSON ``data``."""
+    from .manifest import SCHEMA, KVCacheLayout, StateLayout, StateTensor
+
+    f = _Fields(data, where)
+    schema = data.get("schema")
+    if not isinstance(schema, str) or not schema.startswith("rlxrt.manifest/"):
+        raise ModelFormatError(f"{where}: missing or foreign 'schema' {schema!r}; expected {SCHEMA!r}")
+    if schema.split("/")[-1] != SCHEMA.split("/")[-1]:
+        raise ModelFormatError(f"{where}: schema {schema!r} is not supported by this rlxrt (reads {SCHEMA!r}); "
+                               "re-export the model with this version of rlxrt")
+    known = {"architecture", "model_type", "vocab_size", "max_positions", "graph", "dtype", "inputs", "outputs",
+             "kv_cache", "bos_token_id", "eos_token_ids", "pad_token_id", "tokenizer", "source", "versions",
+             "validation", "state", "draft_head", "schema"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ModelFormatError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))} for schema {SCHEMA}; "
+                               f"known: {', '.join(sorted(known))}")
+    vocab = f.integer("vocab_size", 1)
+    token = dict(low=0, high=vocab - 1)
+    eos = f.get("eos_token_ids", required=False) or []
+    if not isinstance(eos, list):
+        raise f.fail("eos_token_ids", "a list of token ids", eos)
+    kv = None
+    if f.get("kv_cache", required=False) is not None:
+        k = f.sub("kv_cache")
+        legacy_axis = k.data.get("seq_axis", 2)  # written by rlxrt before 0.2; the layout is fixed at axis 2
+        if legacy_axis != 2:
+            raise k.fail("seq_axis", "2 (caches are [batch, kv_heads, seq, head_dim])", legacy_axis)
+        patterns = {}
+        for name in ("past_key", "past_value", "present_key", "present_value"):
+            patterns[name] = k.text(name)
+            if "{i}" not in patterns[name]:
+                raise k.fail(name, "a name pattern with {i} for the layer", patterns[name])
+        kv = KVCacheLayout(layers=k.integer("layers", 1), kv_heads=k.integer("kv_heads", 1),
+                           head_dim=k.integer("head_dim", 1), dtype=k.choice("dtype", CACHE_DTYPES), **patterns)
+    state = None
+    if f.get("state", required=False) is not None:
+        st = f.sub("state")
+        tensors = st.get("tensors")
+        if not isinstance(tensors, list) or not tensors:
+            raise st.fail("tensors", "a non-empty list", tensors)
+        parsed = []
+        for i, t in enumerate(tensors):
+            tf = _Fields(t, where, f"state.tensors[{i}]")
+            shape = tf.get("shape")
+            if not isinstance(shape, list) or not shape:
+                raise tf.fail("shape", "a non-empty list of sizes", shape)
+            dims = tuple(tf.integer(f"shape[{j}]", 1, value=d) for j, d in enumerate(shape))
+            parsed.append(StateTensor(tf.text("input"), tf.text("output"), dims, tf.choice("dtype", CACHE_DTYPES)))
+        state = StateLayout(tuple(parsed), st.integer("max_tokens_per_call", 1))
+    head = f.table("draft_head", required=False)
+    if head is not None:
+        hf = f.sub("draft_head")
+        hf.text("kind")
+        hf.integer("hidden_size", 1)
+        if hf.get("target", required=False) is not None:
+            hf.table("target")
+    inputs = f.names("inputs", ("input_ids",))
+    if head is not None and not inputs.get("hidden_states"):
+        raise ModelFormatError(f"{where}: a draft head needs field 'inputs.hidden_states'; {FIX}")
+    if kv is None and state is None:
+        raise ModelFormatError(f"{where}: the manifest declares neither a KV cache ('kv_cache') nor recurrent "
+                               f"state ('state'); {FIX}")
+    return cls(
+        architecture=f.text("architecture"), model_type=f.text("model_type"), vocab_size=vocab,
+        max_positions=f.integer("max_positions", 1), graph=f.text("graph", file_name=True),
+        dtype=f.choice("dtype", DTYPES), inputs=inputs, outputs=f.names("outputs", ("logits",)), kv_cache=kv,
+        bos_token_id=f.integer("bos_token_id", required=False, **token),
+        eos_token_ids=tuple(f.integer(f"eos_token_ids[{i}]", value=t, **token) for i, t in enumerate(eos)),
+        pad_token_id=f.integer("pad_token_id", 0, required=False),
+        tokenizer=f.text("tokenizer", required=False, file_name=True),
+        source=f.table("source", required=False) or {}, versions=f.table("versions", required=False) or {},
+        validation=f.table("validation", required=False) or {}, state=state, draft_head=head, schema=schema)
