@@ -20,3 +20,12 @@ def import_ort() -> ModuleType:
             f"installed and one was removed; reinstall one of them: {INSTALL_HINT}"
         )
     return onnxruntime
+
+
+def ort_errors(ort: ModuleType) -> tuple[type[Exception], ...]:
+    """The exception classes ONNX Runtime raises from a run (Fail, InvalidArgument, RuntimeException, …):
+    what sessions turn into GenerationError. Anything else raised in rlxrt is a bug and propagates as is."""
+    state = getattr(getattr(ort, "capi", None), "onnxruntime_pybind11_state", None)
+    found = tuple(v for v in vars(state).values()
+                  if isinstance(v, type) and issubclass(v, Exception)) if state is not None else ()
+    return found or (RuntimeError,)

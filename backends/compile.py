@@ -26,6 +26,8 @@ from rlxrt.errors import ModelFormatError, ProviderError
 from rlxrt.manifest import Manifest
 from rlxrt.providers import short_name
 
+from ._ort import ort_errors
+from .contract import check_contract
 from .modelfile import content_hash, external_files, locate
 from .registry import Registry, Resolution, default_registry
 
@@ -70,6 +72,8 @@ class CompiledGraph:
     cache_path: Path | None
     load_seconds: float
     config: Config = field(repr=False)
+    errors: tuple[type[Exception], ...] = field(default=(RuntimeError,), repr=False)
+    """The exception classes this session's ``run`` raises on an ONNX Runtime failure."""
 
     @property
     def input_names(self) -> list[str]:
@@ -166,16 +170,12 @@ def compile(model: str | os.PathLike, config: Config | None = None, *,
     elif non_cacheable:
         cache_state = f"off: {', '.join(non_cacheable)} compiles nodes at load; ORT cannot save them"
     else:
-        root = Path(config.cache_dir)
-        model_hash = content_hash([graph_path, *ext_files], memo_dir=root / "hashes")
-        key = _cache_key(model_hash, ort.__version__, res, config)
-        cache_path = root / "graphs" / key
-        session = _load_cached(ort, cache_path, config, res)
-        if session is not None:
-            cache_state = "hit"
-        else:
-            session = _compile_into_cache(ort, graph_path, cache_path, config, res)
-            cache_state = "miss"
+        try:
+            session, cache_state, cache_path = _cached_session(ort, graph_path, ext_files, config, res)
+        except OSError as exc:  # a read-only, full or non-directory cache: compile without it
+            cache_state = f"off: cache dir {config.cache_dir!r} is unusable ({exc.strerror or exc})"
+            log.warning("compiling %s without the cache: %s", graph_path, cache_state[5:])
+            session, cache_path = None, None
     if session is None:
         session = _make_session(ort, graph_path, session_options(ort, config), res)
 
@@ -188,18 +188,35 @@ def compile(model: str | os.PathLike, config: Config | None = None, *,
                 raise ProviderError(f"{msg}; strict mode is on — fix the provider or drop it from the config")
             log.warning(msg)
             fallbacks.append(msg)
+    inputs = [TensorSpec(i.name, tuple(i.shape), i.type) for i in session.get_inputs()]
+    outputs = [TensorSpec(o.name, tuple(o.shape), o.type) for o in session.get_outputs()]
+    if manifest is not None:
+        check_contract(manifest, inputs, outputs, str(graph_path.parent / "rlxrt.json"))
     return CompiledGraph(
         session=session, path=graph_path, manifest=manifest, providers=used,
-        requested=list(config.providers), fallbacks=fallbacks,
-        inputs=[TensorSpec(i.name, tuple(i.shape), i.type) for i in session.get_inputs()],
-        outputs=[TensorSpec(o.name, tuple(o.shape), o.type) for o in session.get_outputs()],
+        requested=list(config.providers), fallbacks=fallbacks, inputs=inputs, outputs=outputs,
         cache=cache_state, cache_path=cache_path, load_seconds=time.perf_counter() - start, config=config,
+        errors=ort_errors(ort),
     )
+
+
+def _cached_session(ort, graph_path: Path, ext_files: list[Path], config: Config, res: Resolution):
+    """(session, "hit"|"miss", entry): the cached optimised graph, or a fresh compile written into the cache."""
+    root = Path(config.cache_dir)
+    model_hash = content_hash([graph_path, *ext_files], memo_dir=root / "hashes")
+    entry = root / "graphs" / _cache_key(model_hash, ort.__version__, res, config)
+    session = _load_cached(ort, entry, config, res)
+    if session is not None:
+        return session, "hit", entry
+    return _compile_into_cache(ort, graph_path, entry, config, res), "miss", entry
 
 
 def _load_cached(ort, entry: Path, config: Config, res: Resolution):
     graph = entry / "model.onnx"
     if not graph.is_file():
+        if entry.exists():  # a damaged entry (its graph lost): drop it so the compile below can replace it
+            log.warning("cached graph %s lost its model.onnx; recompiling", entry)
+            shutil.rmtree(entry, ignore_errors=True)
         return None
     try:
         return ort.InferenceSession(str(graph), sess_options=session_options(ort, config, "disable"),

@@ -77,13 +77,16 @@ def external_files(graph: Path):
 
 
 def content_hash(files: list[Path], memo_dir: Path | None = None) -> str:
-    """blake2b over the files' bytes; memoised by (path, size, mtime, inode) in ``memo_dir``."""
+    """blake2b over the files' bytes; memoised in ``memo_dir`` by (path, size, mtime, ctime, inode).
+
+    The ctime is in the key because a rewrite in place that restores size and mtime (``os.utime``) still
+    moves it, and no user call can set it back: a changed file is hashed again, never served stale."""
     stat_key = None
     if memo_dir is not None:
         stats = []
         for f in files:
             st = f.stat()
-            stats.append([str(f.resolve()), st.st_size, st.st_mtime_ns, st.st_ino])
+            stats.append([str(f.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
         stat_key = hashlib.blake2b(json.dumps(stats).encode(), digest_size=16).hexdigest()
         memo = memo_dir / stat_key
         try:
