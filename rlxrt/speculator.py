@@ -1,4 +1,4 @@
-"""The Speculator protocol and the typed records of one speculation round.
+"""The Speculator base class and the typed records of one speculation round.
 
 One round: the speculator *proposes* k tokens; the target *verifies* them in
 one pass (k+1 rows: row i is the target's distribution after
@@ -8,11 +8,12 @@ tokens, recurrent state is set to the state after the last accepted token.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+import weakref
+from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import GenerationError
 from .sampling import SamplingParams
 
 
@@ -57,39 +58,61 @@ class AcceptDecision:
     """True when all k were accepted and the last token came from the bonus row."""
 
 
-@runtime_checkable
-class Speculator(Protocol):
-    """What a draft source implements. Optional capabilities are attributes, never type checks."""
+@dataclass
+class Prefill:
+    """What the target computed while reading the prompt, handed to ``Speculator.prefill``."""
 
-    name: str
+    hidden: np.ndarray | None = None
+    """[n-1, H]: the target's last hidden states at prompt positions 0..n-2 (None unless the speculator
+    asked for them in ``bind`` through ``target.fetch_hidden()``)."""
+
+
+class Speculator:
+    """The base of every draft source: ``propose`` is required, the other hooks default to doing nothing.
+
+    Subclasses declare ``name`` and ``default_k``; a speculator that runs a graph of its own overrides
+    ``providers`` and ``run_seconds``. One speculator object serves one Session (it keeps per-request
+    state); ``attach`` refuses a second one, so two sessions never share draft state.
+    """
+
+    name: str = "speculator"
     """Short name for stats and the CLI (``draft-model``, ``prompt-lookup``)."""
-    default_k: int
+    default_k: int = 4
     """Tokens to propose per round unless the session says otherwise."""
-    providers: list[str]
-    """Providers its graphs actually run on (empty for model-free speculators)."""
+    _owner = None
+
+    @property
+    def providers(self) -> list[str]:
+        """Providers its graphs actually run on (empty for model-free speculators)."""
+        return []
+
+    @property
+    def run_seconds(self) -> float:
+        """Seconds spent inside ONNX Runtime by its own graphs."""
+        return 0.0
+
+    def attach(self, owner: object) -> None:
+        """Called once by the Session that will drive this speculator; a second live owner is an error."""
+        current = self._owner() if self._owner is not None else None
+        if current is not None and current is not owner:
+            raise GenerationError(
+                f"this {type(self).__name__} already serves another Session, and a speculator keeps "
+                "per-request state; create one speculator per Session (they can share a compiled graph: "
+                "pass the same rlxrt.compile(...) result to each)")
+        self._owner = weakref.ref(owner)
 
     def bind(self, target) -> None:
-        """Attach to a target model (check vocabulary etc.); raises GenerationError on mismatch."""
+        """Check the target (vocabulary, hidden size …); raise GenerationError on a mismatch."""
 
     def reset(self) -> None:
-        """Forget the previous request (caches, state).
+        """Forget the previous request (caches, state)."""
 
-        Optional: ``prefill(ctx)`` reads the prompt before the first round (a
-        draft model fills its cache there), so that time counts as prefill,
-        not as drafting.
-        """
+    def prefill(self, ctx: Context, record: Prefill) -> None:
+        """Read the prompt before the first round (its time counts as prefill, not as drafting)."""
 
     def propose(self, ctx: Context, k: int) -> DraftProposal:
         """Up to k tokens continuing ``ctx.tokens``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement propose(ctx, k)")
 
     def commit(self, ctx: Context, decision: AcceptDecision, verify: VerifyResult) -> None:
         """Advance persistent state over the accepted tokens only (``ctx.tokens`` is already extended)."""
-
-
-@dataclass
-class EmptyProposal:
-    """The proposal of plain decoding: nothing drafted."""
-
-    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    probs: None = None
-    seconds_in_run: float = 0.0

@@ -53,7 +53,12 @@ class GraphModel:
 
     def _run(self, names: list[str], feeds: dict) -> list:
         t0 = time.perf_counter()
-        out = self._session_run(names, feeds)
+        try:
+            out = self._session_run(names, feeds)
+        except self.graph.errors as exc:  # only ONNX Runtime's own failures; a bug in rlxrt propagates as is
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:400]
+            raise GenerationError(f"onnxruntime failed running {self.graph.path}: {first}; the session stays "
+                                  "usable — check the model export and the providers") from exc
         self.run_seconds += time.perf_counter() - t0
         return out
 

@@ -19,9 +19,9 @@ import numpy as np
 from rlxrt.backends import CompiledGraph, compile
 from rlxrt.config import Config
 from rlxrt.errors import GenerationError, ModelFormatError
-from rlxrt.speculator import AcceptDecision, Context, DraftProposal, VerifyResult
+from rlxrt.speculator import AcceptDecision, Context, DraftProposal, Prefill, VerifyResult
 
-from .draft_model import ModelSpeculator, check_same_vocabulary, draft_chain
+from .drafting import ModelSpeculator, check_same_vocabulary, draft_chain
 from .kv import KVModel
 from .state import StateModel
 
@@ -38,26 +38,34 @@ class MtpHead(ModelSpeculator):
                                    "'mtp'); pass a model directory to DraftModel instead")
         self.model = StateModel(graph)
         self.hidden_size = int(m.draft_head["hidden_size"])
-        self.target: KVModel | StateModel | None = None
         self.reset()
 
     def bind(self, target: KVModel | StateModel) -> None:
+        trained_on = (self.model.manifest.draft_head.get("target") or {}).get("weights_sha256")
+        actual = target.manifest.source.get("weights_sha256")
+        if trained_on and actual and trained_on != actual:
+            raise GenerationError(
+                f"this MTP head ({self.model.graph.path.parent}) was trained for a target whose weights hash is "
+                f"{trained_on[:12]}…, but the target's weights hash is {actual[:12]}…; a head drafts well only "
+                "for its own target: train one for this target, or pass the target it was trained for")
         check_same_vocabulary(target, self.model)
         size = target.fetch_hidden()
         if size not in (-1, self.hidden_size):
             raise GenerationError(f"the MTP head reads hidden states of size {self.hidden_size}, the target's are "
                                   f"{size}; use the head trained for this target")
-        self.target = target
 
     def reset(self) -> None:
         self.model.reset()
         self.last: np.ndarray | None = None
         """[1, H]: the target's hidden state of the position before the pending token (None: none yet)."""
 
-    def prefill(self, ctx: Context) -> None:
+    def prefill(self, ctx: Context, record: Prefill) -> None:
         """Read the prompt's tokens but the pending one; keep the target's hidden state before it."""
-        h = self.target.hidden  # rows of prompt positions 0 .. n-2
+        h = record.hidden  # rows of prompt positions 0 .. n-2
         n = len(ctx.tokens)
+        if h is None or len(h) != n - 1:
+            raise GenerationError(f"the MTP head needs the target's hidden states of the {n - 1} prompt positions "
+                                  f"before the pending token, got {None if h is None else len(h)} rows")
         if n > 2:
             self.model.forward(ctx.tokens[1:n - 1], h[n - 3:n - 2])  # only the state is used
         self.last = h[n - 2:n - 1]

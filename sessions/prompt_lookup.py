@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from rlxrt.checks import as_int
 from rlxrt.errors import GenerationError
-from rlxrt.speculator import AcceptDecision, Context, DraftProposal, VerifyResult
+from rlxrt.limits import K_MAX
+from rlxrt.speculator import Context, DraftProposal, Speculator
 
 
 def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
@@ -35,19 +37,16 @@ def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
     return tokens[best_end + 1:best_end + 1 + k]
 
 
-class PromptLookup:
+class PromptLookup(Speculator):
     name = "prompt-lookup"
-    providers: list[str] = []
 
     def __init__(self, k: int = 4, min_n: int = 1, max_n: int = 3):
-        if not (isinstance(min_n, int) and isinstance(max_n, int) and 1 <= min_n <= max_n):
-            raise GenerationError(f"prompt lookup needs 1 <= min_n <= max_n, got min_n={min_n!r}, max_n={max_n!r}")
-        self.default_k, self.min_n, self.max_n = k, min_n, max_n
-        self.run_seconds = 0.0
+        self.default_k = as_int(k, "prompt lookup's k", 1, K_MAX)
+        self.min_n = as_int(min_n, "prompt lookup's min_n", 1, 64)
+        self.max_n = as_int(max_n, "prompt lookup's max_n", 1, 64)
+        if self.min_n > self.max_n:
+            raise GenerationError(f"prompt lookup needs min_n <= max_n, got min_n={min_n!r}, max_n={max_n!r}")
         self.reset()
-
-    def bind(self, target) -> None:
-        pass
 
     def reset(self) -> None:
         self._ids = np.zeros(256, np.int64)  # the request's tokens so far (they only grow within a request)
@@ -61,6 +60,3 @@ class PromptLookup:
         self._n = n
         found = lookup(self._ids[:n], k, self.min_n, self.max_n)
         return DraftProposal(found.copy(), None)
-
-    def commit(self, ctx: Context, decision: AcceptDecision, verify: VerifyResult) -> None:
-        pass

@@ -3,9 +3,15 @@
 Each round proposes k tokens, verifies them in ONE target pass (k+1 rows),
 applies the acceptance rule and commits. Without a speculator the same loop
 runs with k = 0: plain decoding, the fair baseline.
+
+Threading: a Session serves one request at a time (see ``turns.py``): calls from
+several threads are serialised; a new request from the thread that still holds
+an open stream of the same Session cancels that stream. For parallel requests
+create one Session each; they can share one compiled graph.
 """
 from __future__ import annotations
 
+import numbers
 import os
 import time
 from dataclasses import dataclass, field
@@ -15,17 +21,19 @@ import numpy as np
 
 from rlxrt.acceptance import greedy_accept, speculative_accept
 from rlxrt.backends import CompiledGraph, compile
+from rlxrt.checks import as_bool, as_int
 from rlxrt.config import Config
-from rlxrt.errors import GenerationError, RlxrtError
+from rlxrt.errors import GenerationError
+from rlxrt.limits import K_MAX, MAX_NEW_TOKENS, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from rlxrt.sampling import SamplingParams, make_rng, probs
-from rlxrt.speculator import Context, DraftProposal, VerifyResult
+from rlxrt.speculator import Context, DraftProposal, Prefill, Speculator, VerifyResult
 from rlxrt.stats import RequestStats
 from rlxrt.textstream import TextStream
 
 from .state import decoder_for
 from .text import codec_for
+from .turns import Claim, Turns
 
-K_MAX = 32
 _NOTHING = DraftProposal(np.zeros(0, np.int64))
 
 
@@ -36,49 +44,104 @@ class Generation:
     token_ids: list[int]
     """Generated token ids (an EOS token or the token completing a stop string included)."""
     finish_reason: str
-    """"stop" (EOS token or stop string), "length" (max_new_tokens or max positions) or "cancelled"."""
+    """"stop" (EOS token or stop string), "length" (max_new_tokens or max positions), "cancelled" (the stream
+    was closed, or a newer request of the same thread took the session over) or "error" (an exception
+    ended it; it was raised to the caller)."""
     stats: RequestStats
     stop_reason: int | str | None = None
     """The EOS token id or the stop string that ended the request."""
     prompt_token_ids: list[int] = field(default_factory=list)
 
 
+class _Result:
+    """Where a request's generator leaves its Generation (no reference back to the Stream: an abandoned
+    stream is freed, and its claim given back, as soon as the caller drops it)."""
+
+    __slots__ = ("generation",)
+
+    def __init__(self) -> None:
+        self.generation: Generation | None = None
+
+
+class Stream:
+    """The text pieces of one request as they become final; ``generation`` holds the result once it ends.
+
+    Use it as an iterator, or as a context manager that closes it (ending it as "cancelled" if unfinished)::
+
+        with session.stream("def f(") as s:
+            for piece in s:
+                print(piece, end="")
+        print(s.generation.finish_reason)
+    """
+
+    def __init__(self, pieces: Iterator[str], result: _Result):
+        self._pieces, self._result = pieces, result
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        """End the request now (its generation says "cancelled") and free the session for the next one."""
+        self._pieces.close()
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def generation(self) -> Generation | None:
+        """The request's result: None until the stream ended (exhausted, closed, cancelled or failed)."""
+        return self._result.generation
+
+
 class Session:
     """Generate with a target model, optionally sped up by a speculator.
 
     ``target`` is a model directory made by ``rlxrt export`` (or its
-    CompiledGraph); ``speculator`` is e.g. ``DraftModel(dir)`` or
-    ``PromptLookup()``; ``k`` is the number of tokens drafted per round
-    (default: the speculator's); ``adaptive_k`` grows k by 2 after a fully
-    accepted round and shrinks it by 1 after a rejection, within 1..k_max.
+    CompiledGraph: several Sessions may share one); ``speculator`` is e.g.
+    ``DraftModel(dir)`` or ``PromptLookup()`` and belongs to this Session alone;
+    ``k`` is the number of tokens drafted per round (default: the speculator's);
+    ``adaptive_k`` grows k by 2 after a fully accepted round and shrinks it by 1
+    after a rejection, within 1..k_max.
     """
 
-    def __init__(self, target: str | os.PathLike | CompiledGraph, speculator=None, config: Config | None = None,
-                 *, k: int | None = None, adaptive_k: bool = False, k_max: int | None = None):
+    def __init__(self, target: str | os.PathLike | CompiledGraph, speculator: Speculator | None = None,
+                 config: Config | None = None, *, k: int | None = None, adaptive_k: bool = False,
+                 k_max: int | None = None):
+        if speculator is not None and not isinstance(speculator, Speculator):
+            raise GenerationError(f"speculator must be an rlxrt Speculator (DraftModel, PromptLookup, MtpHead or a "
+                                  f"subclass of rlxrt.speculator.Speculator), got {type(speculator).__name__}")
         graph = target if isinstance(target, CompiledGraph) else compile(target, config)
         self.target = decoder_for(graph)
         self.manifest = self.target.manifest
         self.codec = codec_for(graph)
+        self.k = self._check_k(k if k is not None else speculator.default_k if speculator else 4)
+        self.adaptive_k = as_bool(adaptive_k, "adaptive_k")
+        self.k_max = self._check_k(k_max if k_max is not None else max(self.k, min(2 * self.k, K_MAX)), "k_max")
         self.speculator = speculator
         if speculator is not None:
             speculator.bind(self.target)
-        self.k = self._check_k(k if k is not None else getattr(speculator, "default_k", 4))
-        self.adaptive_k = bool(adaptive_k)
-        self.k_max = self._check_k(k_max if k_max is not None else max(self.k, min(2 * self.k, K_MAX)))
+            speculator.attach(self)
+        self._turns = Turns()
+        self._last_seq = 0
         self.stats = RequestStats(speculator=self._spec_name)
         """Totals over all requests served."""
         self.last: Generation | None = None
-        """The last request's result (also set when a stream was abandoned)."""
+        """The result of the most recently started request that has ended (an older stream that ends later,
+        e.g. a cancelled one, does not replace it; ``Stream.generation`` has each request's own)."""
 
     @property
     def _spec_name(self) -> str:
-        return getattr(self.speculator, "name", "none") if self.speculator is not None else "none"
+        return self.speculator.name if self.speculator is not None else "none"
 
     @staticmethod
-    def _check_k(k) -> int:
-        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= K_MAX:
-            raise GenerationError(f"k (tokens drafted per round) must be an integer in 1..{K_MAX}, got {k!r}")
-        return int(k)
+    def _check_k(k, name: str = "k (tokens drafted per round)") -> int:
+        return as_int(k, name, 1, K_MAX)
 
     # -- public API -------------------------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
@@ -86,41 +149,54 @@ class Session:
                  stop_token_ids: Sequence[int] | None = None, *, ignore_eos: bool = False,
                  k: int | None = None) -> Generation:
         """Generate a continuation of ``prompt`` (text or token ids) and return it with its stats."""
-        for _ in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, stop_token_ids,
-                             ignore_eos=ignore_eos, k=k):
-            pass
-        assert self.last is not None
-        return self.last
+        stream = self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, stop_token_ids,
+                             ignore_eos=ignore_eos, k=k)
+        with stream:
+            for _ in stream:
+                pass
+        assert stream.generation is not None
+        return stream.generation
 
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | None = None,
                stop_token_ids: Sequence[int] | None = None, *, ignore_eos: bool = False,
-               k: int | None = None) -> Iterator[str]:
-        """Like generate, but yields text pieces as they become final; ``session.last`` holds the result."""
+               k: int | None = None) -> Stream:
+        """Like generate, but a ``Stream`` of text pieces as they become final; every argument is checked
+        here, before anything runs. The request takes the session on the first ``next()``."""
         params = SamplingParams(temperature, top_k, top_p)
         prompt_ids = self._prompt_ids(prompt)
-        if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) \
-                or max_new_tokens < 1:
-            raise GenerationError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        stops = list(stop or [])
-        if isinstance(stop, str):
-            stops = [stop]
+        max_new = as_int(max_new_tokens, "max_new_tokens", 1, MAX_NEW_TOKENS)
+        stops = self._check_stops(stop)
+        stop_ids = set() if as_bool(ignore_eos, "ignore_eos") else set(self.manifest.eos_token_ids)
+        extra = list(stop_token_ids) if stop_token_ids is not None else []
+        if len(extra) > MAX_STOP_TOKEN_IDS:
+            raise GenerationError(f"stop_token_ids holds {len(extra)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
+        stop_ids |= set(self._check_ids(extra, "stop_token_ids"))
+        k = self._check_k(k) if k is not None else self.k
+        ctx = Context(tokens=list(prompt_ids), params=params, rng=make_rng(seed))
+        result = _Result()
+        return Stream(self._run(result, ctx, max_new, k, stops, stop_ids), result)
+
+    # -- internals ------------------------------------------------------------------------------------------
+    def _check_stops(self, stop) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else list(stop) if stop is not None else []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise GenerationError(f"{len(stops)} stop strings given; at most {MAX_STOP_STRINGS} are allowed")
+        for s in stops:
+            if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_LENGTH:
+                raise GenerationError(f"a stop string must be text of 1..{MAX_STOP_LENGTH} characters, got {s!r}")
         if stops and self.codec is None:
             raise GenerationError("stop strings need a tokenizer, and this model was exported without one; "
                                   "use stop_token_ids")
-        stop_ids = set() if ignore_eos else set(self.manifest.eos_token_ids)
-        stop_ids |= set(self._check_ids(stop_token_ids or [], "stop_token_ids"))
-        k = self._check_k(k) if k is not None else self.k
-        ctx = Context(tokens=list(prompt_ids), params=params, rng=make_rng(seed))
-        return self._run(ctx, int(max_new_tokens), k, stops, stop_ids)
+        return stops
 
-    # -- internals ------------------------------------------------------------------------------------------
     def _check_ids(self, ids, what: str) -> list[int]:
+        v = self.manifest.vocab_size
         out = []
         for t in ids:
-            if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < self.manifest.vocab_size:
-                raise GenerationError(f"{what} holds token id {t!r}, outside the vocabulary "
-                                      f"(0..{self.manifest.vocab_size - 1})")
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral) or not 0 <= t < v:
+                raise GenerationError(f"{what} holds token id {t!r}, outside the vocabulary (0..{v - 1}); pass "
+                                      "integer ids the model's tokenizer produced")
             out.append(int(t))
         return out
 
@@ -129,9 +205,12 @@ class Session:
             if self.codec is None:
                 raise GenerationError("this model was exported without a tokenizer; pass the prompt as token ids")
             ids = self.codec.encode(prompt)
-        elif isinstance(prompt, (list, tuple, np.ndarray)):
-            ids = self._check_ids(list(np.asarray(prompt).reshape(-1).tolist()) if isinstance(prompt, np.ndarray)
-                                  else prompt, "the prompt")
+        elif isinstance(prompt, np.ndarray):
+            if prompt.ndim != 1:
+                raise GenerationError(f"a prompt of token ids must be one-dimensional, got shape {prompt.shape}")
+            ids = self._check_ids(prompt.tolist() if prompt.dtype.kind in "iu" else list(prompt), "the prompt")
+        elif isinstance(prompt, (list, tuple)):
+            ids = self._check_ids(prompt, "the prompt")
         else:
             raise GenerationError(f"prompt must be text or a sequence of token ids, got {type(prompt).__name__}")
         if not ids:
@@ -142,16 +221,18 @@ class Session:
                                   f"{self.manifest.max_positions - 1} tokens")
         return ids
 
-    def _run(self, ctx: Context, max_new: int, k: int, stops: list[str], stop_ids: set[int]) -> Iterator[str]:
+    def _run(self, result: _Result, ctx: Context, max_new: int, k: int, stops: list[str],
+             stop_ids: set[int]) -> Iterator[str]:
+        claim = self._turns.take()
         target, spec = self.target, self.speculator
         stats = RequestStats(prompt_tokens=len(ctx.tokens), speculator=self._spec_name,
                              providers={"target": list(target.providers)})
         if spec is not None:
-            stats.providers["draft"] = list(getattr(spec, "providers", []))
+            stats.providers["draft"] = list(spec.providers)
         text = TextStream(self.codec.decoder(), stops) if self.codec is not None else None
         prompt_len = len(ctx.tokens)
-        finish, reason = "cancelled", None
-        run0 = target.run_seconds + getattr(spec, "run_seconds", 0.0)
+        finish, reason = "error", None
+        run0 = target.run_seconds + (spec.run_seconds if spec else 0.0)
         paused = 0.0
         t_start = t_decode = time.perf_counter()
         try:
@@ -160,11 +241,11 @@ class Session:
                 spec.reset()
             if prompt_len > 1:
                 target.forward(ctx.tokens[:-1])
-                if spec is not None and hasattr(spec, "prefill"):
-                    spec.prefill(ctx)
+                if spec is not None:
+                    spec.prefill(ctx, Prefill(hidden=target.hidden))
             t_decode = time.perf_counter()
             stats.prefill_seconds = t_decode - t_start
-            run0 = target.run_seconds + getattr(spec, "run_seconds", 0.0)  # decode only, like decode_seconds
+            run0 = target.run_seconds + (spec.run_seconds if spec else 0.0)  # decode only, like decode_seconds
             greedy = ctx.params.greedy
             k_now = k
             while True:
@@ -185,11 +266,10 @@ class Session:
                 t2 = time.perf_counter()
                 if greedy:
                     verify = VerifyResult(logits, hidden=target.hidden)
-                    decision = greedy_accept(logits.argmax(-1), drafted)
+                    decision = greedy_accept(_argmax(logits), drafted)
                 else:
                     verify = VerifyResult(logits, probs(logits, ctx.params), target.hidden)
-                    q = proposal.probs
-                    decision = speculative_accept(verify.probs, q, drafted, ctx.rng)
+                    decision = speculative_accept(verify.probs, proposal.probs, drafted, ctx.rng)
                 new = decision.tokens.tolist()
                 ctx.tokens.extend(new)
                 target.commit(len(ctx.tokens) - 1)
@@ -216,6 +296,9 @@ class Session:
                             p0 = time.perf_counter()
                             yield piece
                             paused += time.perf_counter() - p0
+                            if claim.cancelled:  # a newer request of this thread owns the caches now
+                                finish = "cancelled"
+                                return
                         if text.stop is not None:
                             break
                 if finish == "stop":
@@ -224,16 +307,30 @@ class Session:
                 tail = text.finish()
                 if tail:
                     yield tail
-        except RlxrtError:
+        except GeneratorExit:  # the caller closed the stream
+            finish = "cancelled"
             raise
-        except Exception as exc:  # an ORT failure mid-request: typed, and the session stays usable
-            raise GenerationError(f"generation failed: {type(exc).__name__}: {exc}") from exc
         finally:
             end = time.perf_counter()
+            if not claim.cancelled:
+                stats.run_seconds = target.run_seconds + (spec.run_seconds if spec else 0.0) - run0
+            self._turns.give_back(claim)
             stats.decode_seconds = max(0.0, end - t_decode - paused)
-            stats.run_seconds = target.run_seconds + getattr(spec, "run_seconds", 0.0) - run0
             out = ctx.tokens[prompt_len:]
             stats.emitted = len(out)
-            gen_text = text.text if text is not None else ""
-            self.last = Generation(gen_text, out, finish, stats, reason, ctx.tokens[:prompt_len])
-            self.stats.add(stats)
+            result.generation = Generation(text.text if text is not None else "", out, finish, stats, reason,
+                                           ctx.tokens[:prompt_len])
+            with self._turns.lock:
+                self.stats.add(stats)
+                if claim.seq > self._last_seq:
+                    self._last_seq = claim.seq
+                    self.last = result.generation
+
+
+def _argmax(logits: np.ndarray) -> np.ndarray:
+    """Row argmax [n]; a NaN row (a broken model) is an error, never a silent token 0."""
+    top = logits.argmax(-1)
+    if np.isnan(logits[np.arange(len(top)), top]).any():
+        raise GenerationError("the model produced NaN logits; check the export (e.g. fp16 overflow) or use the "
+                              "fp32 variant")
+    return top

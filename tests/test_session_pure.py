@@ -134,13 +134,29 @@ def test_bare_onnx_file_is_refused(pair):
 
 
 def test_failed_run_mid_request_is_typed_and_recoverable(pair):
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail
+
     s = Session(pair[0], None, CFG)
-    real = s.target._run
-    s.target._run = lambda *a: (_ for _ in ()).throw(RuntimeError("device lost"))
+    want = s.generate([0], max_new_tokens=3).token_ids
+    real = s.target._session_run
+    s.target._session_run = lambda *a: (_ for _ in ()).throw(Fail("device lost"))
     with pytest.raises(GenerationError, match="device lost"):
         s.generate([0], max_new_tokens=3)
-    s.target._run = real
-    assert len(s.generate([0], max_new_tokens=3).token_ids) == 3
+    assert s.last.finish_reason == "error"
+    s.target._session_run = real
+    assert s.generate([0], max_new_tokens=3).token_ids == want
+
+
+def test_a_bug_is_not_disguised_as_a_generation_error(pair):
+    """Only ONNX Runtime's failures become GenerationError; anything else propagates as what it is."""
+    s = Session(pair[0], None, CFG)
+    want = s.generate([0], max_new_tokens=3).token_ids
+    real = s.target._session_run
+    s.target._session_run = lambda *a: (_ for _ in ()).throw(KeyError("oops"))
+    with pytest.raises(KeyError):
+        s.generate([0], max_new_tokens=3)
+    s.target._session_run = real
+    assert s.generate([0], max_new_tokens=3).token_ids == want
 
 
 @pytest.mark.parametrize("tokens, k, want", [

@@ -1,0 +1,55 @@
+"""Who may use a Session's caches now: one request at a time, never two mixed.
+
+- A request from another thread waits until the current one ends (its ``generate`` returns, or its
+  stream is exhausted, closed or garbage-collected): concurrent callers are serialised.
+- A request from the same thread while one of that thread's streams is still open cancels that stream
+  (waiting would deadlock: only this thread could finish it). The cancelled stream ends, the next time
+  it is resumed, with ``finish_reason == "cancelled"`` and without touching the caches again.
+"""
+from __future__ import annotations
+
+import threading
+
+
+class Claim:
+    """One request's hold on the caches."""
+
+    __slots__ = ("thread", "seq", "cancelled")
+
+    def __init__(self, thread: int, seq: int):
+        self.thread = thread
+        self.seq = seq
+        """Order in which requests started (later requests have larger numbers)."""
+        self.cancelled = False
+        """Set when a newer request of the same thread took the caches over."""
+
+
+class Turns:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._owner: Claim | None = None
+        self._seq = 0
+
+    def take(self) -> Claim:
+        """Wait for the caches (or take them from this thread's own open stream) and hold them."""
+        me = threading.get_ident()
+        with self._cond:
+            while self._owner is not None:
+                if self._owner.thread == me:
+                    self._owner.cancelled = True
+                    break
+                self._cond.wait()
+            self._seq += 1
+            self._owner = Claim(me, self._seq)
+            return self._owner
+
+    def give_back(self, claim: Claim) -> None:
+        with self._cond:
+            if self._owner is claim:
+                self._owner = None
+                self._cond.notify_all()
+
+    @property
+    def lock(self) -> threading.Condition:
+        """Held briefly to publish a finished request's results (``session.last``, totals)."""
+        return self._cond
