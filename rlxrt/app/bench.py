@@ -77,14 +77,16 @@ def step_times(target, draft, ks: list[int], context: int, repeats: int = 60) ->
 
 
 def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, max_new_tokens: int = 128,
-              repeats: int = 3, temperatures=(0.0, 0.7), ks=(2, 4, 6), threads: int = 1,
+              repeats: int = 3, temperatures=(0.0, 0.7), ks=(2, 4, 6), config=None,
               hf_dirs: tuple[Path, Path] | None = None, progress: bool = True,
               head_dir: Path | None = None) -> dict[str, Any]:
+    """``config`` (an ``rlxrt.Config``; default: 1 intra-op thread on the CPU) is used for every graph."""
+    from rlxrt.backends import compile
     from rlxrt.config import Config
     from rlxrt.sessions import DraftModel, MtpHead, PromptLookup, Session
 
-    config = Config(intra_op_threads=threads, providers=("cpu",))
-    from rlxrt.backends import compile
+    config = config if config is not None else Config(intra_op_threads=1, providers=("cpu",))
+    threads = config.intra_op_threads
 
     target_graph = compile(target_dir, config)
     draft_graph = compile(draft_dir, config) if draft_dir else None
@@ -102,14 +104,17 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
     if hf_dirs is not None:
         from rlxrt.exporters.peers import HFPeers
 
-        hf = HFPeers(hf_dirs[0], hf_dirs[1], threads=threads)
+        hf = HFPeers(hf_dirs[0], hf_dirs[1], threads=threads or 1)
     names = list(sessions) + (hf.names if hf else [])
     total = len(temperatures) * repeats * len(prompts) * len(names)
     bar = Progress(total, progress)
-    results: dict[str, Any] = {"config": {"target": str(target_dir), "draft": str(draft_dir) if draft_dir else None,
-                                          "head": str(head_dir) if head_dir else None,
+    # directory names only: results are shared, and carry no path of the machine that made them
+    results: dict[str, Any] = {"config": {"target": Path(target_dir).name,
+                                          "draft": Path(draft_dir).name if draft_dir else None,
+                                          "head": Path(head_dir).name if head_dir else None,
                                           "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-                                          "repeats": repeats, "threads": threads, "ks": list(ks)},
+                                          "repeats": repeats, "threads": threads,
+                                          "providers": list(target_graph.providers), "ks": list(ks)},
                                "temperatures": {}}
     prompt_lens: list[int] = []
     for s in sessions.values():  # warm-up: first runs allocate

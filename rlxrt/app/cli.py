@@ -9,13 +9,15 @@ import argparse
 import json
 import logging
 import sys
+import traceback
 from typing import Any, Callable
 
 from rlxrt import __version__
-from rlxrt.errors import RlxrtError
+from rlxrt.errors import RlxrtError, UsageError
 
 EXIT_ERROR = 1  # an RlxrtError: bad input, missing provider, failed export ...
-EXIT_USAGE = 2  # argparse's own exit code for bad flags
+EXIT_USAGE = 2  # argparse's own exit code for bad flags; also flags that exclude each other
+EXIT_INTERNAL = 3  # a bug in rlxrt: printed with its traceback, to be reported
 
 
 def _print_json(obj: Any) -> None:
@@ -101,13 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)
-        p.set_defaults(func=fn)
+        p.set_defaults(func=fn, parser=p)
         return p
 
-    def runtime_flags(p: argparse.ArgumentParser) -> None:
+    def runtime_flags(p: argparse.ArgumentParser, threads: int | None = None) -> None:
         p.add_argument("--providers", help="comma-separated preference list, e.g. cuda,cpu")
         p.add_argument("--strict", action="store_true", help="fail instead of falling back to another provider")
-        p.add_argument("--threads", type=int, help="intra-op threads (0 = ORT default)")
+        p.add_argument("--threads", type=int, default=threads,
+                       help=f"intra-op threads, 0..256 (0 = ORT default; default {threads if threads is not None else 'from config'})")
         p.add_argument("--config", help="TOML config file (default: ./rlxrt.toml if present)")
 
     p = add("providers", cmd_providers, "list execution providers: available or not, why, and which would be used")
@@ -139,9 +142,17 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         return args.func(args)
+    except UsageError as exc:
+        print(f"{args.parser.prog}: usage error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except RlxrtError as exc:
         print(f"rlxrt: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("rlxrt: interrupted", file=sys.stderr)
         return 130
+    except Exception:  # a bug: say so, with everything needed to report it
+        print(f"rlxrt: internal error, please report it with this traceback (rlxrt {__version__}):",
+              file=sys.stderr)
+        traceback.print_exc()
+        return EXIT_INTERNAL

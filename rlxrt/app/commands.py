@@ -3,12 +3,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+
+from rlxrt.errors import UsageError
+from rlxrt.files import read_json, read_text
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from .api import export
 
+    if args.atol is not None and not (math.isfinite(args.atol) and args.atol > 0):
+        raise UsageError(f"--atol must be a positive number, got {args.atol}")
     report = None if args.quiet else (lambda line: print(f"  {line}", file=sys.stderr))
     if not args.quiet:
         print(f"exporting {args.src} -> {args.out}", file=sys.stderr)
@@ -37,46 +43,60 @@ def _cache_kind(m) -> str:
 
 
 def _prompt(args: argparse.Namespace) -> str:
-    from rlxrt.errors import GenerationError
-
     if args.prompt is not None and args.prompt_file is not None:
-        raise GenerationError("pass either --prompt or --prompt-file, not both")
+        raise UsageError("pass either --prompt or --prompt-file, not both")
     if args.prompt_file is not None:
         if args.prompt_file == "-":
-            return sys.stdin.read()
-        try:
-            with open(args.prompt_file, encoding="utf-8") as fh:
-                return fh.read()
-        except OSError as exc:
-            raise GenerationError(f"cannot read --prompt-file {args.prompt_file!r}: {exc.strerror}") from None
+            data = sys.stdin.buffer.read()
+            try:
+                return data.decode("utf-8")
+            except UnicodeDecodeError:
+                raise UsageError("the prompt on standard input is not UTF-8 text; send UTF-8") from None
+        return read_text(args.prompt_file, "--prompt-file")
     if args.prompt is None:
-        raise GenerationError("no prompt: pass --prompt TEXT or --prompt-file FILE (- for stdin)")
+        raise UsageError("no prompt: pass --prompt TEXT or --prompt-file FILE (- for stdin)")
     return args.prompt
 
 
+def _speculator(args: argparse.Namespace, config):
+    """The speculator the generate flags ask for (None: plain decoding); conflicting flags are usage errors."""
+    from rlxrt.sessions import DraftModel, MtpHead, PromptLookup
+
+    kind = args.speculator or ("draft" if args.draft else "mtp" if args.head else "none")
+    if args.draft and args.head:
+        raise UsageError("--draft and --head exclude each other: pass one speculator")
+    if args.draft and kind != "draft":
+        raise UsageError(f"--draft and --speculator {kind} exclude each other")
+    if args.head and kind != "mtp":
+        raise UsageError(f"--head and --speculator {kind} exclude each other")
+    if kind == "draft" and not args.draft:
+        raise UsageError("--speculator draft needs --draft DIR")
+    if kind == "none":
+        for flag, value in (("-k", args.k), ("--adaptive-k", args.adaptive_k),
+                            ("--draft-providers", args.draft_providers)):
+            if value:
+                raise UsageError(f"{flag} needs a speculator (--draft, --head or --speculator prompt-lookup|mtp); "
+                                 "plain decoding drafts nothing")
+    if kind == "prompt-lookup" and args.draft_providers:
+        raise UsageError("--draft-providers needs a draft model or head; prompt lookup runs no model")
+    draft_config = config.with_overrides(providers=args.draft_providers) if args.draft_providers else config
+    if kind == "draft":
+        return DraftModel(args.draft, draft_config)
+    if kind == "mtp":
+        return MtpHead(_head(args.head, args.target), draft_config)
+    if kind == "prompt-lookup":
+        return PromptLookup()
+    return None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    from rlxrt.sessions import Session
+
     from .cli import _config
-    from rlxrt.errors import GenerationError
-    from rlxrt.sessions import DraftModel, MtpHead, PromptLookup, Session
 
     prompt = _prompt(args)
     config = _config(args)
-    if args.draft and args.speculator not in (None, "draft"):
-        raise GenerationError(f"--draft and --speculator {args.speculator} exclude each other")
-    if args.head and args.speculator not in (None, "mtp"):
-        raise GenerationError(f"--head and --speculator {args.speculator} exclude each other")
-    draft_config = config.with_overrides(providers=args.draft_providers) if args.draft_providers else config
-    if args.draft:
-        spec = DraftModel(args.draft, draft_config)
-    elif args.head or args.speculator == "mtp":
-        spec = MtpHead(_head(args.head, args.target), draft_config)
-    elif args.speculator == "prompt-lookup":
-        spec = PromptLookup()
-    elif args.speculator == "draft":
-        raise GenerationError("--speculator draft needs --draft DIR")
-    else:
-        spec = None
-    session = Session(args.target, spec, config, k=args.k, adaptive_k=args.adaptive_k)
+    session = Session(args.target, _speculator(args, config), config, k=args.k, adaptive_k=args.adaptive_k)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     if args.json:
@@ -86,11 +106,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
                    "stats": g.stats.to_dict()}, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
-    for piece in session.stream(prompt, **kwargs):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+    with session.stream(prompt, **kwargs) as stream:
+        for piece in stream:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
     sys.stdout.write("\n")
-    g = session.last
+    g = stream.generation
     print(f"[{g.finish_reason}] {g.stats.summary()}; providers {g.stats.providers}", file=sys.stderr)
     return 0
 
@@ -99,7 +120,6 @@ def _head(head: str | None, target: str | None):
     """--head, or the shipped MTP head when the target is the shipped one."""
     from pathlib import Path
 
-    from rlxrt.errors import GenerationError
     from .reference import reference_head, reference_pair
 
     if head:
@@ -107,57 +127,99 @@ def _head(head: str | None, target: str | None):
     shipped = reference_head()
     if shipped is not None and (target is None or Path(target).resolve() == reference_pair()[0].resolve()):
         return shipped
-    raise GenerationError("--speculator mtp needs --head DIR (an MTP head trained for this target); only the "
-                          "shipped reference target comes with one")
+    raise UsageError("--speculator mtp needs --head DIR (an MTP head trained for this target); only the "
+                     "shipped reference target comes with one")
 
 
 def _pair(args: argparse.Namespace):
     from pathlib import Path
 
     from .reference import reference_pair
-    from rlxrt.errors import GenerationError
 
     if args.target and args.draft:
         return Path(args.target), Path(args.draft)
     if args.target or args.draft:
-        raise GenerationError("pass both --target and --draft, or neither (to use the shipped reference pair)")
+        raise UsageError("pass both --target and --draft, or neither (to use the shipped reference pair)")
     return reference_pair()
 
 
 def _prompts(args: argparse.Namespace, n: int) -> list[str]:
+    """The prompts of --prompt-file (a text file: one prompt; a .json file: a list of strings or of
+    {"prompt": text}), else the shipped held-out prompts; the first ``n``."""
     from .reference import reference_prompts
-    from rlxrt.errors import GenerationError
 
-    if getattr(args, "prompt_file", None):
-        import json
-
-        with open(args.prompt_file, encoding="utf-8") as fh:
-            data = json.load(fh) if args.prompt_file.endswith(".json") else [fh.read()]
-        prompts = [p["prompt"] if isinstance(p, dict) else p for p in data]
-    else:
+    path = getattr(args, "prompt_file", None)
+    if not path:
         prompts = reference_prompts()
-    if not prompts:
-        raise GenerationError("no prompts: pass --prompt-file (a text file, or a JSON list of strings)")
+    elif path.endswith(".json"):
+        data = read_json(path, "--prompt-file")
+        if not isinstance(data, list):
+            raise UsageError(f"--prompt-file {path!r} must hold a JSON list of prompts, got {type(data).__name__}")
+        prompts = []
+        for i, p in enumerate(data):
+            text = p.get("prompt") if isinstance(p, dict) else p
+            if not isinstance(text, str) or not text:
+                raise UsageError(f"--prompt-file {path!r}: entry {i} must be a non-empty string or "
+                                 f'{{"prompt": text}}, got {p!r}')
+            prompts.append(text)
+    else:
+        prompts = [read_text(path, "--prompt-file")]
+    if not prompts or not prompts[0]:
+        raise UsageError("no prompts: pass --prompt-file (a non-empty text file, or a JSON list of strings)")
     return prompts[:n]
 
 
+def _at_least(args: argparse.Namespace, **flags: int) -> None:
+    for name, low in flags.items():
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
+    from .cli import _config
     from .demo import run_demo
 
+    _at_least(args, prompt_index=0, max_new_tokens=1, repeats=1)
     target, draft = _pair(args)
     prompts = _prompts(args, args.prompt_index + 1)
-    prompt = prompts[min(args.prompt_index, len(prompts) - 1)]
-    run_demo(target, draft, prompt, max_new_tokens=args.max_new_tokens, k=args.k, threads=args.threads,
-             repeats=args.repeats)
+    if args.prompt_index >= len(prompts):
+        raise UsageError(f"--prompt-index {args.prompt_index} is out of range: there are {len(prompts)} prompt(s) "
+                         f"(0..{len(prompts) - 1})")
+    run_demo(target, draft, prompts[args.prompt_index], max_new_tokens=args.max_new_tokens, k=args.k,
+             config=_config(args), repeats=args.repeats)
     return 0
+
+
+def _numbers(text: str, flag: str, convert, low: float, high: float) -> list:
+    try:
+        values = [convert(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} must be a comma-separated list of numbers, got {text!r}") from None
+    if not values or any(not low <= v <= high for v in values):
+        raise UsageError(f"{flag} values must lie in {low}..{high}, got {text!r}")
+    return values
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from rlxrt.limits import K_MAX
+
     from .bench import format_table, run_bench, write_outputs
+    from .cli import _config
     from .reference import reference_head
 
+    _at_least(args, prompts=1, max_new_tokens=1, repeats=1)
+    if args.head and args.no_head:
+        raise UsageError("--head and --no-head exclude each other")
+    if bool(args.hf_target) != bool(args.hf_draft):
+        raise UsageError("pass both --hf-target and --hf-draft, or neither")
+    if args.no_hf and args.hf_target:
+        raise UsageError("--no-hf and --hf-target/--hf-draft exclude each other")
+    temps = _numbers(args.temperatures, "--temperatures", float, 0.0, 100.0)
+    ks = _numbers(args.ks, "--ks", int, 1, K_MAX)
+    config = _config(args)
     target, draft = _pair(args)
     prompts = _prompts(args, args.prompts)
     hf = None
@@ -176,12 +238,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 hf = (hf_target, hf_draft)
             except ImportError:
                 print("rlxrt: torch/transformers not installed; skipping the Hugging Face peers", file=sys.stderr)
-    temps = [float(t) for t in args.temperatures.split(",")]
-    ks = [int(k) for k in args.ks.split(",")]
     head = None if args.no_head else Path(args.head) if args.head else None if args.target else reference_head()
     res = run_bench(target, draft, prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                    temperatures=temps, ks=ks, threads=args.threads, hf_dirs=hf, progress=not args.quiet,
-                    head_dir=head)
+                    temperatures=temps, ks=ks, config=config, hf_dirs=hf, progress=not args.quiet, head_dir=head)
     js, png = write_outputs(res, Path(args.out))
     print(format_table(res))
     print(f"wrote {js}" + (f" and {png}" if png else " (no PNG: matplotlib is not installed)"))
@@ -233,8 +292,8 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("--prompt-index", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("-k", type=int, default=None, help="tokens drafted per round (default: the draft's default, 4)")
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads for both models")
     p.add_argument("--repeats", type=int, default=3, help="side-by-side timing repeats")
+    runtime_flags(p, threads=1)
 
     p = add("bench", cmd_bench, "benchmark plain vs speculative decoding (and peers) on held-out prompts")
     p.add_argument("--target", help="target model directory (default: the shipped reference target)")
@@ -245,7 +304,6 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--ks", default="2,4,6", help="draft lengths to try")
-    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--hf-target", help="Hugging Face weights of the target, for the transformers peers")
     p.add_argument("--hf-draft", help="Hugging Face weights of the draft")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
@@ -253,3 +311,4 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("--no-head", action="store_true", help="skip the MTP head rows")
     p.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    runtime_flags(p, threads=1)

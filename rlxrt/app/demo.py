@@ -9,13 +9,15 @@ from pathlib import Path
 from typing import TextIO
 
 
-def run_demo(target: Path, draft: Path, prompt: str, *, max_new_tokens: int = 128, k: int | None = None, threads: int = 1,
-             repeats: int = 3, out: TextIO = sys.stdout) -> dict:
+def run_demo(target: Path, draft: Path, prompt: str, *, max_new_tokens: int = 128, k: int | None = None,
+             config=None, repeats: int = 3, out: TextIO = sys.stdout) -> dict:
+    """``config`` (an ``rlxrt.Config``; default: 1 intra-op thread on the CPU) is used for both models."""
     from rlxrt.backends import compile
     from rlxrt.config import Config
     from rlxrt.sessions import DraftModel, Session
 
-    config = Config(intra_op_threads=threads, providers=("cpu",))
+    config = config if config is not None else Config(intra_op_threads=1, providers=("cpu",))
+    threads = config.intra_op_threads or "ORT's default"
     t0 = time.perf_counter()
     target_graph = compile(target, config)
     spec = Session(target_graph, DraftModel(draft, config), k=k)
