@@ -164,3 +164,52 @@ def test_silent_fallback_at_compile_is_recorded(mlp, cache_dir):
     with pytest.raises(ProviderError, match="silently runs on cpu.*strict"):
         compile(mlp, cfg(cache_dir, providers=("cuda", "cpu"), cache=False, strict=True),
                 registry=LyingRegistry())
+
+
+def test_in_place_rewrite_keeping_size_inode_and_mtime_is_seen(tmp_path, cache_dir):
+    """Only the ctime betrays this rewrite (it cannot be set back); the stale graph is never served."""
+    import os
+
+    path = make_mlp_onnx(tmp_path / "m" / "model.onnx", seed=0)
+    g1 = compile(path, cfg(cache_dir))
+    before = os.stat(path)
+    new = make_mlp_onnx(tmp_path / "other" / "model.onnx", seed=1).read_bytes()
+    assert len(new) == before.st_size
+    with open(path, "r+b") as fh:  # same inode
+        fh.write(new)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_size, after.st_ino, after.st_mtime_ns) == (before.st_size, before.st_ino, before.st_mtime_ns)
+    g2 = compile(path, cfg(cache_dir))
+    assert g2.cache == "miss" and g2.cache_path != g1.cache_path
+    x = np.ones((1, 16), np.float32)
+    np.testing.assert_allclose(run(g2, x), run(compile(path, cfg(cache_dir, cache=False)), x), rtol=1e-6)
+    assert not np.allclose(run(g1, x), run(g2, x))
+
+
+def test_entry_that_lost_its_graph_is_rebuilt(mlp, cache_dir):
+    g1 = compile(mlp, cfg(cache_dir))
+    (g1.cache_path / "model.onnx").unlink()
+    g2 = compile(mlp, cfg(cache_dir))
+    assert g2.cache == "miss" and (g2.cache_path / "model.onnx").is_file()
+    assert compile(mlp, cfg(cache_dir)).cache == "hit"
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "read-only"])
+def test_unusable_cache_dir_compiles_uncached(mlp, tmp_path, monkeypatch, caplog, where):
+    x = np.ones((2, 16), np.float32)
+    want = run(compile(mlp, cfg(tmp_path / "c0", cache=False)), x)
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a directory")
+    cache = {"a file": blocker, "under a file": blocker / "sub", "read-only": tmp_path / "ro"}[where]
+    if where == "read-only":  # root ignores permission bits: fail the way a read-only directory does
+        import tempfile
+
+        def refuse(*a, **kw):
+            raise PermissionError(13, "Permission denied")
+        monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    with caplog.at_level("WARNING", logger="rlxrt"):
+        g = compile(mlp, cfg(cache))
+    assert g.cache.startswith("off: cache dir") and g.cache_path is None
+    assert "without the cache" in caplog.text
+    np.testing.assert_allclose(run(g, x), want, rtol=1e-6)
