@@ -58,3 +58,40 @@ def test_sample_matches_distribution():
     counts = np.bincount([sample(p, rng) for _ in range(20000)], minlength=4)
     assert counts[1] == 0
     assert chisquare(counts[p > 0], 20000 * p[p > 0]).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("t", [1e-38, 1e-39, 1e-45, 5e-324, 1e-300, 1e-12, 1e-6])
+@pytest.mark.parametrize("top_k", [0, 2])
+def test_tiny_temperatures_give_valid_distributions(t, top_k):
+    """Scaling happens after the max is subtracted and the scale is capped: no overflow, no NaN."""
+    logits = np.array([[1.0, 3.0, -2.0, 2.5], [40.0, -40.0, 39.0, 0.0]], np.float32)
+    p = probs(logits, SamplingParams(temperature=t, top_k=top_k))
+    assert np.isfinite(p).all() and (p >= 0).all()
+    np.testing.assert_allclose(p.sum(-1), 1.0)
+    assert p.argmax(-1).tolist() == [1, 0] and p.max(-1).tolist() == [1.0, 1.0]
+
+
+def test_tiny_temperature_splits_exact_ties_evenly():
+    p = probs(np.array([[2.0, 5.0, 5.0]], np.float32), SamplingParams(temperature=1e-40))
+    np.testing.assert_allclose(p[0], [0.0, 0.5, 0.5])
+
+
+@pytest.mark.parametrize("t", [1e3, 1e30, 1e300])
+def test_huge_temperatures_approach_uniform(t):
+    p = probs(np.array([[1.0, 30.0, -5.0]], np.float32), SamplingParams(temperature=t))
+    assert np.isfinite(p).all()
+    np.testing.assert_allclose(p[0], 1 / 3, rtol=0.05)
+
+
+def test_nan_logits_are_an_error_not_a_token():
+    with pytest.raises(GenerationError, match="non-finite logits"):
+        probs(np.array([[1.0, np.nan, 0.0]], np.float32), SamplingParams(temperature=1.0))
+
+
+def test_numpy_scalars_are_numbers():
+    a = SamplingParams(np.float32(0.5), np.int64(3), np.float64(0.9))
+    assert (a.temperature, a.top_k, a.top_p) == (0.5, 3, 0.9) and type(a.top_k) is int
+    assert make_rng(np.uint32(7)).random() == make_rng(7).random()
+    for bad in (True, np.bool_(True), "0.5", None):
+        with pytest.raises(GenerationError, match="temperature"):
+            SamplingParams(bad)

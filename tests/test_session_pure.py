@@ -199,3 +199,11 @@ def test_prompt_lookup_follows_a_growing_context_across_requests():
     pl.reset()
     ctx = Context(tokens=[7, 8, 7], params=SamplingParams(), rng=make_rng(0))
     assert pl.propose(ctx, 2).tokens.tolist() == [8, 7]
+
+
+@pytest.mark.parametrize("t", [1e-38, 1e-45, 1e-300])
+def test_tiny_temperature_generates_the_greedy_output(pair, t):
+    greedy = Session(pair[0], None, CFG).generate([0], max_new_tokens=12).token_ids
+    for spec in (None, DraftModel(pair[1], CFG), PromptLookup()):
+        g = Session(pair[0], spec, CFG, k=2).generate([0], max_new_tokens=12, temperature=t, seed=5)
+        assert g.token_ids == greedy
