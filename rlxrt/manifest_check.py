@@ -99,8 +99,8 @@ def parse(cls, data: Any, where: str):
              "validation", "state", "draft_head", "schema"}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ModelFormatError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))} for schema {SCHEMA}; "
-                               f"known: {', '.join(sorted(known))}")
+        raise ModelFormatError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))} for schema {SCHEMA} "
+                               f"(known: {', '.join(sorted(known))}); {FIX}")
     vocab = f.integer("vocab_size", 1)
     token = dict(low=0, high=vocab - 1)
     eos = f.get("eos_token_ids", required=False) or []
