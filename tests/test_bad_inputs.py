@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rlxrt import (Config, ConfigError, GenerationError, ModelFormatError, RlxrtError, UsageError, compile,
-                   load_config)
+import rlxrt
+from rlxrt import (Config, ConfigError, ExportError, GenerationError, ModelFormatError, RlxrtError, UsageError,
+                   compile, load_config)
 from rlxrt.app.cli import main
 from rlxrt.app.reference import reference_head, reference_pair
 from rlxrt.sessions import DraftModel, MtpHead, PromptLookup, Session
@@ -159,6 +160,12 @@ BUILD = [
     ("toml syntax", lambda g, t, f: _toml("broken.toml")(g, t, f), ConfigError, ["broken.toml", "not valid TOML"]),
     ("env typo", lambda g, t, f: load_config(env={"RLXRT_THREAD": "2"}), ConfigError,
      ["RLXRT_THREAD", "RLXRT_INTRA_OP_THREADS"]),
+    ("export force", lambda g, t, f: rlxrt.export(f / "nope", t / "out", force="no"), ExportError,
+     ["force", "'no'", "True or False"]),
+    ("export atol", lambda g, t, f: rlxrt.export(f / "nope", t / "out", atol=-1), ExportError, ["atol", "-1", "positive"]),
+    ("export dtype", lambda g, t, f: rlxrt.export(f / "nope", t / "out", dtype="fp64"), ExportError,
+     ["'fp64'", "fp32"]),
+    ("export source", lambda g, t, f: rlxrt.export(f / "nope", t / "out"), ExportError, ["nope", "does not exist"]),
 ]
 
 

@@ -16,8 +16,14 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32
     ``with_hidden_states`` adds the last hidden state as an output (for ``MtpHead``).
     Needs ``pip install 'rlxrt[export]'``.
     """
+    from rlxrt.checks import as_bool, as_float
+    from rlxrt.errors import ExportError
     from rlxrt.exporters.deps import require_export_stack
 
+    force, validate = as_bool(force, "force", ExportError), as_bool(validate, "validate", ExportError)
+    with_hidden_states = as_bool(with_hidden_states, "with_hidden_states", ExportError)
+    if atol is not None and as_float(atol, "atol", error=ExportError) <= 0:
+        raise ExportError(f"atol must be a positive number (a max abs logit difference), got {atol!r}")
     require_export_stack()
     from rlxrt.exporters import export_model
 
