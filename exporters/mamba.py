@@ -7,10 +7,9 @@ token. Verification of k+1 tokens is then one graph call, and a commit picks
 the state at the last accepted position without re-running anything.
 
 The selective scan h_t = exp(A dt_t) h_{t-1} + dt_t B_t x_t is written in
-closed form: with S_t = sum_{r<=t} A dt_r (all <= 0),
-h_t = exp(S_t) h_0 + sum_{u<=t} exp(S_t - S_u) dt_u B_u x_u, every exponent
-<= 0 (no overflow). It costs O(s^2) per call, so a graph call takes at most
-``CHUNK`` tokens and sessions feed longer prompts in chunks.
+closed form (``scan.closed_form_scan`` with log a_t = A dt_t). It costs O(s^2)
+per call, so a graph call takes at most ``CHUNK`` tokens and sessions feed
+longer prompts in chunks.
 
 Graph interface (L layers, D = intermediate size, K = conv kernel, N = state size)::
 
@@ -27,6 +26,7 @@ import numpy as np
 
 from rlxrt.manifest import StateLayout, StateTensor
 
+from .scan import closed_form_scan
 from .validate import compare, hidden_diff
 
 CHUNK = 32
@@ -84,12 +84,9 @@ def selective_mixer(torch, mix, h, conv0, ssm0):
     dt = nn.functional.softplus(mix.dt_proj(dt))                 # [s, D]
     A = -torch.exp(mix.A_log.float())                            # [D, N]
     d, n = A.shape
-    S = torch.cumsum(dt[:, :, None] * A[None], dim=0).reshape(s, d * n)   # [s, D*N], decreasing in t
-    dbu = ((dt * xt)[:, :, None] * B[:, None, :]).reshape(1, s, d * n)   # [1, u, D*N]
-    pos = torch.arange(s)
-    mask = torch.zeros(s, s).masked_fill(pos[None, :] > pos[:, None], -torch.inf)[:, :, None]  # [t, u, 1]
-    w = torch.exp(S[:, None, :] - S[None, :, :] + mask)         # [t, u, D*N], exponents <= 0
-    hs = ((w * dbu).sum(1) + torch.exp(S) * ssm0.reshape(1, d * n)).reshape(s, d, n)  # [s, D, N]
+    log_a = (dt[:, :, None] * A[None]).reshape(s, d * n)          # [s, D*N], all <= 0
+    dbu = ((dt * xt)[:, :, None] * B[:, None, :]).reshape(s, d * n)   # [s, D*N]
+    hs = closed_form_scan(torch, log_a, dbu, ssm0.reshape(d * n)).reshape(s, d, n)  # [s, D, N]
     y = (hs * C[:, None, :]).sum(-1) + xt * mix.D[None, :]        # [s, D]
     y = y * mix.act(gate[0].t())
     out = mix.out_proj(y)[None]

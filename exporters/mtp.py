@@ -37,6 +37,8 @@ from rlxrt.errors import ExportError
 from rlxrt.manifest import Manifest, StateLayout, StateTensor
 
 from .deps import versions
+from .scan import closed_form_scan
+from .source import recorded_name
 from .validate import TOLERANCE, compare
 from .variants import store_weights_fp16
 
@@ -110,12 +112,7 @@ def build_head(torch, cfg: HeadConfig, embedding, unembedding=None):
         def forward(self, input_ids, hidden_states, state):
             """Graph form: s <= CHUNK positions, the scan in closed form, the output head at the last one."""
             e, log_a, b = self.gates(input_ids[0])                     # [s, H], [s, R], [s, R]
-            s = input_ids.shape[1]
-            S = torch.cumsum(log_a, dim=0)                               # [s, R], decreasing
-            pos = torch.arange(s)
-            mask = torch.zeros(s, s).masked_fill(pos[None, :] > pos[:, None], -torch.inf)[:, :, None]
-            w = torch.exp(S[:, None, :] - S[None, :, :] + mask)          # [t, u, R], exponents <= 0
-            states = (w * b[None, :, :]).sum(1) + torch.exp(S) * state[None, :]
+            states = closed_form_scan(torch, log_a, b, state)           # [s, R]
             logits, hid = self.mix(hidden_states[0], e[-1:], states[-1:])
             return logits[None], hid[None], states
 
@@ -167,7 +164,14 @@ def head_manifest(cfg: HeadConfig, target: Manifest, validation: dict) -> Manife
         tokenizer=None, source={"task": "mtp-head", "config": asdict(cfg), "weights_stored_as": "float16"}, versions=versions(),
         validation=validation,
         draft_head={"kind": "mtp", "hidden_size": cfg.hidden_size,
-                    "target": {k: target.source.get(k) for k in ("path_or_id", "weights_sha256")}})
+                    "target": _target_record(target)})
+
+
+def _target_record(target: Manifest) -> dict:
+    """The target the head drafts for: its source's name (no absolute path) and weights hash."""
+    path_or_id = target.source.get("path_or_id")
+    return {"path_or_id": None if path_or_id is None else recorded_name(path_or_id),
+            "weights_sha256": target.source.get("weights_sha256")}
 
 
 def validate_head(torch, head, run, tolerance: float = TOLERANCE["float32"], prompt_len: int = 8,
@@ -196,7 +200,7 @@ def validate_head(torch, head, run, tolerance: float = TOLERANCE["float32"], pro
 
 def write_head(torch, head, cfg: HeadConfig, target: Manifest, out: Path, run_for) -> Manifest:
     """Export ``head`` into the model directory ``out``, validated; ``run_for(graph_path)`` gives a
-    ``run(feeds) -> {name: array}`` (``rlxrt.api.runner``). The weights are rounded to float16 and
+    ``run(feeds) -> {name: array}`` (the application's ``runner``). The weights are rounded to float16 and
     stored so (half the file); the graph computes in float32."""
     out.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():  # weights on the float16 grid: stored as float16, computed in float32, validated as is

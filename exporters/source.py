@@ -9,7 +9,6 @@ from pathlib import Path
 
 from rlxrt.errors import ExportError
 
-TASK = "text-generation-with-past"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
 
 
@@ -67,30 +66,14 @@ def read_config(path: Path) -> dict:
         raise ExportError(f"{str(path / 'config.json')!r} is not valid JSON ({exc})") from None
 
 
-def supported_model_types() -> list[str]:
-    import optimum.exporters.onnx.model_configs  # noqa: F401  (registers the architectures)
-    from optimum.exporters.tasks import TasksManager
-
-    return sorted(m for m, by in TasksManager._SUPPORTED_MODEL_TYPE.items()
-                  if TASK in by.get("onnx", {}))
-
-
-RECURRENT = {"mamba": "mamba", "falcon_mamba": "mamba", "jamba": "jamba"}
-"""Recurrent and hybrid architectures rlxrt exports itself (model type -> module in exporters/), with
-per-position states."""
-
-
-def check_architecture(config: dict) -> str:
-    model_type = config.get("model_type")
-    if model_type in RECURRENT:
-        return model_type
-    supported = sorted(supported_model_types() + list(RECURRENT))
-    if model_type not in supported:
-        raise ExportError(
-            f"unsupported architecture {model_type!r} ({', '.join(config.get('architectures') or []) or 'no class'}); "
-            f"supported: {', '.join(supported)}"
-        )
-    return model_type
+def recorded_name(src: str | os.PathLike) -> str:
+    """What a manifest records of ``src``: a local directory's own name (``target``, never an absolute path
+    of the machine that built the export) or a hub id as given."""
+    text = str(src)
+    path = Path(text).expanduser()
+    if path.exists() or _looks_like_path(text):
+        return Path(os.path.abspath(path)).name
+    return text
 
 
 def weights_hash(path: Path) -> str:

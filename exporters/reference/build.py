@@ -1,7 +1,7 @@
 """Export the trained reference pair and install it as rlxrt's shipped assets.
 
-    python -m rlxrt.exporters.reference.build WORK          # target, draft, prompts, recipe
-    python -m rlxrt.exporters.reference.build WORK --mtp    # the MTP head (after train_mtp)
+    python -m rlxrt.app.recipe WORK          # target, draft, prompts, recipe
+    python -m rlxrt.app.recipe WORK --mtp    # the MTP head (after train_mtp)
 
 Writes rlxrt/assets/reference/{target,draft} (ONNX, manifest, tokenizer; the
 target with its last hidden state as an output, for the MTP head),
@@ -9,6 +9,9 @@ rlxrt/assets/reference/mtp (the head trained by train_mtp.py),
 rlxrt/assets/reference/prompts.json (held-out prompts) and recipe.json (the
 training summary), and the fp16 torch weights to exporters/reference/weights
 (for the Hugging Face peers of ``rlxrt bench``; not part of the wheel).
+
+The graphs run through ``runner(graph_path) -> run(feeds) -> {output name: array}``,
+which the application layer passes in (this package creates no ORT session).
 """
 from __future__ import annotations
 
@@ -16,14 +19,19 @@ import json
 import re
 import shutil
 import sys
+from importlib.resources import files
 from pathlib import Path
 
 import numpy as np
 
+from rlxrt.manifest import Manifest
+
+from ..export import GRAPH, export_model
+from ..validate import feeds_for
 from .corpus import evaluation_files
 
 HERE = Path(__file__).resolve().parent
-ASSETS = HERE.parent.parent / "rlxrt" / "assets" / "reference"
+ASSETS = Path(str(files("rlxrt") / "assets" / "reference"))  # run from a source checkout (editable install)
 WEIGHTS = HERE / "weights"
 PROMPT_CHARS = 480
 FIRST_WORD = re.compile(r"(?:[ \t]*\n)*[ \t]*(?:\w+|\S+)")
@@ -65,10 +73,10 @@ def _summary(work: Path, role: str) -> dict:
             "final_train_loss": last["loss"], "heldout_loss": evals[-1]["heldout_loss"] if evals else None}
 
 
-def main(work_dir: str) -> None:
+def build_pair(work_dir: str, runner) -> None:
+    """Export WORK/target and WORK/draft into the assets, validated; prompts, held-out losses and the recipe."""
     import torch
-
-    import rlxrt
+    import transformers as tf
 
     work = Path(work_dir)
     ASSETS.mkdir(parents=True, exist_ok=True)
@@ -76,21 +84,17 @@ def main(work_dir: str) -> None:
         src = work / role
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy2(work / "tokenizer" / f, src / f)
-        res = rlxrt.export(src, ASSETS / role, force=True, report=lambda s: print(f"  {role} {s}"),
+        res = export_model(src, ASSETS / role, runner=runner, force=True, report=lambda s: print(f"  {role} {s}"),
                            with_hidden_states=role == "target")
         print(f"{role}: validation {res.manifest.validation}")
         # the fp16 weights-only checkpoint, for the torch peers and for resuming the recipe
-        import transformers as tf
-
         model = tf.LlamaForCausalLM.from_pretrained(str(src), dtype=torch.float16)
         (WEIGHTS / role).mkdir(parents=True, exist_ok=True)
         model.save_pretrained(str(WEIGHTS / role))
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy2(work / "tokenizer" / f, WEIGHTS / role / f)
-    from rlxrt.bench import heldout_loss
-
     texts = [p.read_text(encoding="utf-8") for _, p in evaluation_files()]
-    losses = {role: heldout_loss(ASSETS / role, texts) for role in ("target", "draft")}
+    losses = {role: heldout_loss(runner(ASSETS / role / GRAPH), ASSETS / role, texts) for role in ("target", "draft")}
     print(f"held-out loss (rlxrt, {losses['target']['tokens']} tokens): target {losses['target']['loss']:.3f}, "
           f"draft {losses['draft']['loss']:.3f}")
     (ASSETS / "prompts.json").write_text(json.dumps(held_out_prompts(), indent=1) + "\n")
@@ -102,13 +106,34 @@ def main(work_dir: str) -> None:
     print(f"installed into {ASSETS}")
 
 
-def build_mtp(work_dir: str) -> None:
+def heldout_loss(run, model_dir: Path, texts: list[str], window: int = 512) -> dict[str, float]:
+    """Mean next-token loss (nats) of the exported model in ``model_dir`` on texts, in non-overlapping windows,
+    each one call of its graph's ``run(feeds) -> {name: array}`` from an empty cache."""
+    from tokenizers import Tokenizer
+
+    manifest = Manifest.load(model_dir)
+    tokenizer = Tokenizer.from_file(str(model_dir / manifest.tokenizer))
+    window = min(window, manifest.max_positions)
+    total, count = 0.0, 0
+    for text in texts:
+        ids = np.asarray(tokenizer.encode(text).ids, np.int64)
+        for start in range(0, len(ids) - 1, window):
+            chunk = ids[start:start + window]
+            if len(chunk) < 2:
+                continue
+            out = run(feeds_for(manifest, chunk[None], None, 0))
+            logits = out[manifest.outputs["logits"]][0].astype(np.float64)
+            logits -= logits.max(-1, keepdims=True)
+            logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+            total -= logp[np.arange(len(chunk) - 1), chunk[1:]].sum()
+            count += len(chunk) - 1
+    return {"loss": float(total / max(1, count)), "tokens": int(count)}
+
+
+def build_mtp(work_dir: str, runner) -> None:
     """Write the head trained by train_mtp.py (WORK/mtp.pt) for the shipped target, validated."""
     import torch
     import transformers as tf
-
-    import rlxrt
-    from rlxrt.api import runner
 
     from ..mtp import HeadConfig, build_head, write_head
     from .train_mtp import heldout_agreement
@@ -122,7 +147,7 @@ def build_mtp(work_dir: str) -> None:
     assert set(missing.missing_keys) <= {"embed"} and not missing.unexpected_keys, missing
     out = ASSETS / "mtp"
     shutil.rmtree(out, ignore_errors=True)
-    manifest = write_head(torch, head, cfg, rlxrt.Manifest.load(ASSETS / "target"), out, runner)
+    manifest = write_head(torch, head, cfg, Manifest.load(ASSETS / "target"), out, runner)
     print(f"mtp head: validation {manifest.validation}")
     recipe = json.loads((ASSETS / "recipe.json").read_text())
     recipe["mtp"] = {**_mtp_summary(work), **heldout_agreement(torch, head, target, np.load(work / "heldout.npy"))}
@@ -136,9 +161,3 @@ def _mtp_summary(work: Path) -> dict:
     return {"steps": last["step"], "tokens": last["tokens"], "train_seconds": last["elapsed_s"],
             "final_train_kl1": last["kl1"], "final_train_kl2": last["kl2"]}
 
-
-if __name__ == "__main__":
-    if "--mtp" in sys.argv[2:]:
-        build_mtp(sys.argv[1])
-    else:
-        main(sys.argv[1])

@@ -1,0 +1,28 @@
+"""Build the shipped reference assets from a trained recipe (exporters/reference), validated through rlxrt.
+
+    python -m rlxrt.app.recipe WORK          # target, draft, prompts, recipe
+    python -m rlxrt.app.recipe WORK --mtp    # the MTP head (after train_mtp)
+
+The application layer wires the recipe to ORT: it hands exporters/reference
+the ``runner`` that compiles a graph with ``rlxrt.backends``.
+"""
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> None:
+    from rlxrt.app.api import runner
+    from rlxrt.exporters.reference.build import build_mtp, build_pair
+
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        raise SystemExit("usage: python -m rlxrt.app.recipe WORK [--mtp]")
+    if "--mtp" in args[1:]:
+        build_mtp(args[0], runner)
+    else:
+        build_pair(args[0], runner)
+
+
+if __name__ == "__main__":
+    main()
