@@ -2,6 +2,7 @@
 importlib.resources, `rlxrt demo` and `rlxrt bench` run, and what bench writes carries no absolute path."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,11 @@ pytestmark = pytest.mark.slow
 def installed(tmp_path_factory) -> Path:
     """``pip install --target`` of this checkout (no deps: this venv has them), built as a wheel."""
     target = tmp_path_factory.mktemp("site")
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(ROOT)]
+    # built from a copy: setuptools' build/ folder would otherwise keep files deleted from the checkout
+    src = tmp_path_factory.mktemp("src") / "rlxrt"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", ".ci-venv", "build", "*.egg-info",
+                                                              "__pycache__", ".pytest_cache", "bench-out"))
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(src)]
     try:
         import setuptools
 

@@ -12,7 +12,7 @@ from rlxrt import Config
 from rlxrt.backends import compile
 from rlxrt.errors import GenerationError, ModelFormatError
 from rlxrt.sampling import SamplingParams
-from rlxrt.speculator import AcceptDecision, Context, VerifyResult
+from rlxrt.speculator import AcceptDecision, Context, Prefill, VerifyResult
 from rlxrt.sessions import DraftModel, KVModel, MtpHead, Session, StateModel, decoder_for
 
 from lossless import assert_first_two_tokens_follow, two_token_marginals
@@ -126,7 +126,7 @@ def test_head_state_after_commit_equals_feeding_the_committed_tokens_one_at_a_ti
     vocab = tgt.vocab_size
     ctx = Context(tokens=rng.integers(3, vocab, 9).tolist(), params=SamplingParams(), rng=np.random.default_rng(0))
     tgt.forward(ctx.tokens[:-1])
-    spec.prefill(ctx)
+    spec.prefill(ctx, Prefill(hidden=tgt.hidden))
     patterns = list(range(k + 1)) * 2
     rng.shuffle(patterns)
     for j in patterns:
@@ -191,19 +191,35 @@ def test_head_on_its_own_session_settings(target, head, plain):
     assert s.speculator.model.graph.session.get_session_options().intra_op_num_threads == 2
 
 
-def test_bad_bindings_are_clear_errors(exported, head):
+def test_bad_bindings_are_clear_errors(exported, head, tmp_path):
     with pytest.raises(GenerationError, match="--with-hidden-states"):
-        Session(exported("llama", seed=0), MtpHead(head, CFG), CFG)
+        Session(exported("llama", seed=0), MtpHead(head, CFG), CFG)  # its own target, without hidden states
     with pytest.raises(ModelFormatError, match="draft head"):
         Session(head, None, CFG)
     with pytest.raises(ModelFormatError, match="draft head"):
         DraftModel(head, CFG)
     with pytest.raises(ModelFormatError, match="not an MTP head"):
         MtpHead(exported("llama", seed=0), CFG)
-    with pytest.raises(GenerationError, match="--with-hidden-states"):
-        Session(exported("mamba", seed=0), MtpHead(head, CFG), CFG)
+    other = exported("llama", seed=3, with_hidden=True, hidden=32)
+    for wrong in (exported("mamba", seed=0), other):  # a head drafts for the target it was trained for
+        with pytest.raises(GenerationError, match="weights hash"):
+            Session(wrong, MtpHead(head, CFG), CFG)
+    # a head that records no target hash is still checked for what it reads
+    import json
+    import os
+
+    bare = tmp_path / "bare-head"
+    bare.mkdir()
+    for f in head.iterdir():
+        if f.name != "rlxrt.json":
+            os.symlink(f, bare / f.name)
+    data = json.loads((head / "rlxrt.json").read_text())
+    del data["draft_head"]["target"]["weights_sha256"]
+    (bare / "rlxrt.json").write_text(json.dumps(data))
     with pytest.raises(GenerationError, match="hidden states of size 64, the target's are 32"):
-        Session(exported("llama", seed=3, with_hidden=True, hidden=32), MtpHead(head, CFG), CFG)
+        Session(other, MtpHead(bare, CFG), CFG)
+    with pytest.raises(GenerationError, match="--with-hidden-states"):
+        Session(exported("mamba", seed=0), MtpHead(bare, CFG), CFG)
 
 
 def test_a_long_prompt_is_read_in_chunks(target, head, exported):
@@ -217,7 +233,7 @@ def test_a_long_prompt_is_read_in_chunks(target, head, exported):
                   rng=np.random.default_rng(0))
     assert len(ctx.tokens) > 70
     tgt.forward(ctx.tokens[:-1])
-    spec.prefill(ctx)
+    spec.prefill(ctx, Prefill(hidden=tgt.hidden))
     np.testing.assert_allclose(spec.model.state()[0], sequential_state(head, ctx.tokens[1:-1]), atol=1e-5)
     plain = Session(exported("llama", seed=0), None, CFG).generate(prompt, max_new_tokens=20, ignore_eos=True)
     g = Session(target, MtpHead(head, CFG), CFG, k=3).generate(prompt, max_new_tokens=20, ignore_eos=True)
@@ -255,6 +271,6 @@ def test_cli_generate_with_a_head(exported, target, head, plain):
     out = json.loads(r.stdout)
     assert out["token_ids"] == plain and out["stats"]["speculator"] == "mtp-head"
     r = cli("--speculator", "mtp", "--prompt", PROMPT)  # no head shipped for this target
-    assert r.returncode == 1 and "needs --head DIR" in r.stderr
+    assert r.returncode == 2 and "needs --head DIR" in r.stderr
     r = cli("--head", str(head), "--speculator", "prompt-lookup", "--prompt", PROMPT)
-    assert r.returncode == 1 and "exclude each other" in r.stderr
+    assert r.returncode == 2 and "exclude each other" in r.stderr

@@ -219,31 +219,3 @@ def write_outputs(results: dict[str, Any], out_dir: Path) -> tuple[Path, Path | 
     except ImportError:
         pass
     return js, png
-
-
-def heldout_loss(model_dir: Path, texts: list[str], window: int = 512, threads: int = 1) -> dict[str, float]:
-    """Mean next-token loss (nats) of an exported model on texts, in non-overlapping windows, run by rlxrt."""
-    import numpy as np
-
-    from rlxrt.backends import compile
-    from rlxrt.config import Config
-    from rlxrt.sessions import KVModel
-    from rlxrt.sessions.text import codec_for
-
-    graph = compile(model_dir, Config(intra_op_threads=threads, cache=False))
-    model, codec = KVModel(graph), codec_for(graph)
-    window = min(window, model.max_positions)
-    total, count = 0.0, 0
-    for text in texts:
-        ids = np.asarray(codec.encode(text), np.int64)
-        for start in range(0, len(ids) - 1, window):
-            chunk = ids[start:start + window]
-            if len(chunk) < 2:
-                continue
-            model.reset()
-            logits = model.forward(chunk).astype(np.float64)
-            logits -= logits.max(-1, keepdims=True)
-            logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-            total -= logp[np.arange(len(chunk) - 1), chunk[1:]].sum()
-            count += len(chunk) - 1
-    return {"loss": float(total / max(1, count)), "tokens": int(count)}
