@@ -23,9 +23,10 @@ def import_ort() -> ModuleType:
 
 
 def ort_errors(ort: ModuleType) -> tuple[type[Exception], ...]:
-    """The exception classes ONNX Runtime raises from a run (Fail, InvalidArgument, RuntimeException, …):
-    what sessions turn into GenerationError. Anything else raised in rlxrt is a bug and propagates as is."""
+    """The exception classes ONNX Runtime raises from a run (Fail, InvalidArgument, RuntimeException, …,
+    and RuntimeError / MemoryError from its bindings): what sessions turn into GenerationError. Anything
+    else raised in rlxrt is a bug and propagates as is."""
     state = getattr(getattr(ort, "capi", None), "onnxruntime_pybind11_state", None)
     found = tuple(v for v in vars(state).values()
                   if isinstance(v, type) and issubclass(v, Exception)) if state is not None else ()
-    return found or (RuntimeError,)
+    return found + (RuntimeError, MemoryError)

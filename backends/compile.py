@@ -170,12 +170,7 @@ def compile(model: str | os.PathLike, config: Config | None = None, *,
     elif non_cacheable:
         cache_state = f"off: {', '.join(non_cacheable)} compiles nodes at load; ORT cannot save them"
     else:
-        try:
-            session, cache_state, cache_path = _cached_session(ort, graph_path, ext_files, config, res)
-        except OSError as exc:  # a read-only, full or non-directory cache: compile without it
-            cache_state = f"off: cache dir {config.cache_dir!r} is unusable ({exc.strerror or exc})"
-            log.warning("compiling %s without the cache: %s", graph_path, cache_state[5:])
-            session, cache_path = None, None
+        session, cache_state, cache_path = _cached_session(ort, graph_path, ext_files, config, res)
     if session is None:
         session = _make_session(ort, graph_path, session_options(ort, config), res)
 
@@ -201,30 +196,55 @@ def compile(model: str | os.PathLike, config: Config | None = None, *,
 
 
 def _cached_session(ort, graph_path: Path, ext_files: list[Path], config: Config, res: Resolution):
-    """(session, "hit"|"miss", entry): the cached optimised graph, or a fresh compile written into the cache."""
+    """(session, cache state, entry): the cached optimised graph, or a fresh compile written into the cache.
+    A cache that cannot be used (read-only, a file, a full disk) gives (None, "off: why", None): the caller
+    compiles without it; a bad model still fails as a bad model."""
     root = Path(config.cache_dir)
     model_hash = content_hash([graph_path, *ext_files], memo_dir=root / "hashes")
     entry = root / "graphs" / _cache_key(model_hash, ort.__version__, res, config)
     session = _load_cached(ort, entry, config, res)
     if session is not None:
         return session, "hit", entry
-    return _compile_into_cache(ort, graph_path, entry, config, res), "miss", entry
+    try:
+        return _compile_into_cache(ort, graph_path, entry, config, res), "miss", entry
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+    except ModelFormatError as exc:  # ORT may fail writing the optimised graph: is it the model or the cache?
+        _make_session(ort, graph_path, session_options(ort, config), res)  # raises if it is the model
+        why = f"ONNX Runtime could not write the optimised graph there ({str(exc)[:200]})"
+    state = f"off: cache dir {config.cache_dir!r} is unusable ({why})"
+    log.warning("compiling %s without the cache: %s", graph_path, state[5:])
+    return None, state, None
 
 
 def _load_cached(ort, entry: Path, config: Config, res: Resolution):
+    """The cached session, or None (a damaged entry — a file lost or of another size than written — is
+    dropped so the compile that follows replaces it)."""
     graph = entry / "model.onnx"
-    if not graph.is_file():
-        if entry.exists():  # a damaged entry (its graph lost): drop it so the compile below can replace it
-            log.warning("cached graph %s lost its model.onnx; recompiling", entry)
-            shutil.rmtree(entry, ignore_errors=True)
+    if not entry.exists():
         return None
+    problem = _entry_problem(entry)
+    if problem is None:
+        try:
+            return ort.InferenceSession(str(graph), sess_options=session_options(ort, config, "disable"),
+                                        providers=res.providers)
+        except ort_errors(ort) as exc:
+            problem = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+    log.warning("cached graph %s is damaged (%s); recompiling", entry, problem)
+    shutil.rmtree(entry, ignore_errors=True)
+    return None
+
+
+def _entry_problem(entry: Path) -> str | None:
+    """What is wrong with a cache entry's files, by the sizes its meta.json recorded; None if nothing."""
     try:
-        return ort.InferenceSession(str(graph), sess_options=session_options(ort, config, "disable"),
-                                    providers=res.providers)
-    except Exception as exc:  # a damaged entry: drop it and compile afresh
-        log.warning("cached graph %s is unreadable (%s); recompiling", entry, str(exc).splitlines()[0][:200])
-        shutil.rmtree(entry, ignore_errors=True)
-        return None
+        sizes = json.loads((entry / "meta.json").read_text())["sizes"]
+        for name, size in sizes.items():
+            if (entry / name).stat().st_size != size:
+                return f"{name} has {(entry / name).stat().st_size} bytes, {size} were written"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _compile_into_cache(ort, graph_path: Path, entry: Path, config: Config, res: Resolution):
@@ -238,9 +258,10 @@ def _compile_into_cache(ort, graph_path: Path, entry: Path, config: Config, res:
         opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
                                       "1024")
         session = _make_session(ort, graph_path, opts, res)
+        sizes = {f.name: f.stat().st_size for f in tmp.iterdir()}
         (tmp / "meta.json").write_text(json.dumps({
-            "source": str(graph_path), "ort": ort.__version__, "providers": res.providers,
-            "graph_optimization": config.graph_optimization, "machine": machine_fingerprint(),
+            "source": graph_path.name, "ort": ort.__version__, "providers": res.providers,
+            "graph_optimization": config.graph_optimization, "machine": machine_fingerprint(), "sizes": sizes,
         }, indent=1))
         try:
             os.rename(tmp, entry)

@@ -62,6 +62,15 @@ def check_contract(m: Manifest, inputs: Sequence, outputs: Sequence, where: str)
         if extra:
             raise ModelFormatError(f"{where}: kv_cache.layers is {kv.layers}, but the graph has more cache inputs "
                                    f"({', '.join(extra[:4])}); {fix}")
+    known = {n for n in m.inputs.values() if n}
+    if kv is not None:
+        known |= {n for i in range(kv.layers) for n in kv.names(i)[:2]}
+    if m.state is not None:
+        known |= {t.input for t in m.state.tensors}
+    unknown = [n for n in ins if n not in known]
+    if unknown:
+        raise ModelFormatError(f"{where}: the graph has inputs {', '.join(map(repr, unknown[:4]))} the manifest does "
+                               f"not declare (inputs: {m.inputs}); nothing would feed them; {fix}")
     if m.state is not None:
         for t in m.state.tensors:
             spec = need(ins, t.input, "state.tensors[].input")

@@ -16,6 +16,7 @@ Example ``rlxrt.toml``::
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import sys
 from dataclasses import dataclass, field, fields, replace
@@ -121,7 +122,8 @@ def _int(key: str, value: Any, source: str, low: int = 0, high: int | None = Non
         out = int(value)
     except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"config key {key!r} (from {source}) must be {allowed}, got {value!r}") from None
-    if out < low or (high is not None and out > high) or (isinstance(value, float) and value != out):
+    fractional = isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) and value != out
+    if out < low or (high is not None and out > high) or fractional:
         raise ConfigError(f"config key {key!r} (from {source}) must be {allowed}, got {value!r}")
     return out
 
@@ -235,15 +237,20 @@ def _from_file(path: Path) -> dict[str, Any]:
 
 
 def load_config(path: str | os.PathLike | None = None, *, env: Mapping[str, str] | None = None,
-                cwd: str | os.PathLike | None = None, **overrides: Any) -> Config:
+                cwd: str | os.PathLike | None = None, defaults: Mapping[str, Any] | None = None,
+                **overrides: Any) -> Config:
     """Build a :class:`Config` from defaults, a TOML file, the environment and explicit arguments.
 
     ``path`` is the TOML file (else ``RLXRT_CONFIG``, else ``rlxrt.toml`` in
     ``cwd`` if it exists). ``overrides`` whose value is None are ignored, so
-    CLI flags can be passed straight through.
+    CLI flags can be passed straight through. ``defaults`` replace the built-in
+    defaults (lowest precedence: a file or the environment still wins).
     """
     env = os.environ if env is None else env
     merged: dict[str, tuple[Any, str]] = {}
+    _check_keys(defaults or {}, "defaults")
+    for k, v in (defaults or {}).items():
+        merged[k] = (v, "defaults")
     file_path = path if path is not None else env.get(ENV_PREFIX + "CONFIG")
     if file_path is None:
         candidate = Path(cwd if cwd is not None else os.getcwd()) / CONFIG_FILE_NAME

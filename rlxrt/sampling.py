@@ -21,6 +21,7 @@ from .checks import as_float, as_int
 from .errors import GenerationError
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,8 @@ def probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         return out
     # exp in float32 (4x faster than float64 in numpy; relative error ~1e-7), sums in float64.
     # The max is subtracted BEFORE scaling, so every scaled value is <= 0 and exp cannot overflow; the
-    # scale 1/T is capped at float32's largest value, so even T = 1e-300 gives a one-hot row, never NaN.
+    # scale 1/T is kept within float32's normal range, so T = 1e-300 gives a one-hot row and T = 1e300 a
+    # uniform one (a masked -inf stays -inf: it is never multiplied by 0), never NaN.
     x = x.astype(np.float32)  # a fresh array: work in place below
     v = x.shape[-1]
     if 0 < params.top_k < v:  # order is the same before and after scaling
@@ -72,7 +74,7 @@ def probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         x[x < kth] = -np.inf
     x -= x.max(-1, keepdims=True)
     with np.errstate(over="ignore"):  # a huge scale sends non-max entries to -inf: exp gives 0, as meant
-        x *= np.float32(min(1.0 / params.temperature, FLOAT32_MAX))
+        x *= np.float32(min(max(1.0 / params.temperature, FLOAT32_TINY), FLOAT32_MAX))
     p = np.exp(x, out=x).astype(np.float64)
     total = p.sum(-1, keepdims=True)
     if not np.isfinite(total).all():  # NaN logits: the model is broken, never a silent wrong token

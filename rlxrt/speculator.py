@@ -8,6 +8,7 @@ tokens, recurrent state is set to the state after the last accepted token.
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -67,6 +68,9 @@ class Prefill:
     asked for them in ``bind`` through ``target.fetch_hidden()``)."""
 
 
+_ATTACH = threading.Lock()
+
+
 class Speculator:
     """The base of every draft source: ``propose`` is required, the other hooks default to doing nothing.
 
@@ -93,13 +97,20 @@ class Speculator:
 
     def attach(self, owner: object) -> None:
         """Called once by the Session that will drive this speculator; a second live owner is an error."""
-        current = self._owner() if self._owner is not None else None
-        if current is not None and current is not owner:
-            raise GenerationError(
-                f"this {type(self).__name__} already serves another Session, and a speculator keeps "
-                "per-request state; create one speculator per Session (they can share a compiled graph: "
-                "pass the same rlxrt.compile(...) result to each)")
-        self._owner = weakref.ref(owner)
+        with _ATTACH:
+            current = self._owner() if self._owner is not None else None
+            if current is not None and current is not owner:
+                raise GenerationError(
+                    f"this {type(self).__name__} already serves another Session, and a speculator keeps "
+                    "per-request state; create one speculator per Session (they can share a compiled graph: "
+                    "pass the same rlxrt.compile(...) result to each)")
+            self._owner = weakref.ref(owner)
+
+    def detach(self, owner: object) -> None:
+        """Undo ``attach`` (the Session could not bind it)."""
+        with _ATTACH:
+            if self._owner is not None and self._owner() is owner:
+                self._owner = None
 
     def bind(self, target) -> None:
         """Check the target (vocabulary, hidden size …); raise GenerationError on a mismatch."""

@@ -38,14 +38,14 @@ class DraftModel(ModelSpeculator):
     def prefill(self, ctx: Context, record: Prefill) -> None:
         """Read the prompt (all but its last token, like the target) before the first round."""
         if len(ctx.tokens) < self.model.max_positions:  # else propose drafts nothing anyway
-            self.model.forward(ctx.tokens[self.model.length:-1])
+            self.model.forward(ctx.tokens[self.model.length:-1], rows=1)
 
     def propose(self, ctx: Context, k: int) -> DraftProposal:
         m = self.model
         k = min(k, m.max_positions - len(ctx.tokens))
         if k <= 0:
             return DraftProposal(np.zeros(0, np.int64))
-        return draft_chain(m.forward(ctx.tokens[m.length:])[-1], k, ctx, lambda x: m.forward((x,))[0])
+        return draft_chain(m.forward(ctx.tokens[m.length:], rows=1)[-1], k, ctx, lambda x: m.forward((x,))[0])
 
     def commit(self, ctx: Context, decision: AcceptDecision, verify: VerifyResult) -> None:
         self.model.commit(len(ctx.tokens) - 1)

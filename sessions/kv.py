@@ -52,10 +52,15 @@ class GraphModel:
         return int(shape[-1]) if shape and isinstance(shape[-1], int) else -1
 
     def _run(self, names: list[str], feeds: dict) -> list:
+        return self._timed(self._session_run, names, feeds)
+
+    def _timed(self, run, *args):
+        """``run(*args)`` timed into ``run_seconds``; only ONNX Runtime's own failures become GenerationError,
+        a bug in rlxrt propagates as is."""
         t0 = time.perf_counter()
         try:
-            out = self._session_run(names, feeds)
-        except self.graph.errors as exc:  # only ONNX Runtime's own failures; a bug in rlxrt propagates as is
+            out = run(*args)
+        except self.graph.errors as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:400]
             raise GenerationError(f"onnxruntime failed running {self.graph.path}: {first}; the session stays "
                                   "usable — check the model export and the providers") from exc
@@ -118,8 +123,9 @@ class KVModel(GraphModel):
         self.hidden = None
         self.kv.reset()
 
-    def forward(self, tokens) -> np.ndarray:
-        """Feed ``tokens`` after the first ``length`` cached ones; returns their logits [s, V]."""
+    def forward(self, tokens, rows: int | None = None) -> np.ndarray:
+        """Feed ``tokens`` after the first ``length`` cached ones; returns their logits [s, V] (the last
+        ``rows`` of them when given: this graph computes them all anyway)."""
         ids = np.asarray(tokens, dtype=np.int64).reshape(1, -1)
         s, start = ids.shape[1], self.length
         end = start + s
@@ -133,7 +139,7 @@ class KVModel(GraphModel):
         if len(out) > 1 + self._caches:
             self.hidden = out[-1][0]
         self.length = end
-        return out[0][0]
+        return out[0][0] if rows is None else out[0][0][-rows:]
 
     def commit(self, length: int) -> None:
         """Keep only the first ``length`` cached positions (a rollback is moving this number)."""

@@ -12,6 +12,7 @@ before the pending token: the verify row that produced it.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -24,6 +25,9 @@ from rlxrt.speculator import AcceptDecision, Context, DraftProposal, Prefill, Ve
 from .drafting import ModelSpeculator, check_same_vocabulary, draft_chain
 from .kv import KVModel
 from .state import StateModel
+
+
+log = logging.getLogger("rlxrt")
 
 
 class MtpHead(ModelSpeculator):
@@ -43,6 +47,10 @@ class MtpHead(ModelSpeculator):
     def bind(self, target: KVModel | StateModel) -> None:
         trained_on = (self.model.manifest.draft_head.get("target") or {}).get("weights_sha256")
         actual = target.manifest.source.get("weights_sha256")
+        if trained_on and not actual:
+            log.warning("the MTP head %s was trained for weights %s…, and the target %s records no weights hash: "
+                        "it cannot be checked to be that target", self.model.graph.path.parent, trained_on[:12],
+                        target.graph.path.parent)
         if trained_on and actual and trained_on != actual:
             raise GenerationError(
                 f"this MTP head ({self.model.graph.path.parent}) was trained for a target whose weights hash is "
@@ -65,7 +73,8 @@ class MtpHead(ModelSpeculator):
         n = len(ctx.tokens)
         if h is None or len(h) != n - 1:
             raise GenerationError(f"the MTP head needs the target's hidden states of the {n - 1} prompt positions "
-                                  f"before the pending token, got {None if h is None else len(h)} rows")
+                                  f"before the pending token, got {None if h is None else len(h)} rows; bind the "
+                                  "head to a Session whose target was exported with --with-hidden-states")
         if n > 2:
             self.model.forward(ctx.tokens[1:n - 1], h[n - 3:n - 2])  # only the state is used
         self.last = h[n - 2:n - 1]

@@ -54,13 +54,16 @@ class Generation:
 
 
 class _Result:
-    """Where a request's generator leaves its Generation (no reference back to the Stream: an abandoned
-    stream is freed, and its claim given back, as soon as the caller drops it)."""
+    """What a request's generator shares with its Stream: the claim it runs under and the Generation it
+    leaves (no reference back to the Stream: an abandoned stream is freed, and its claim given back, as soon
+    as the caller drops it)."""
 
-    __slots__ = ("generation",)
+    __slots__ = ("generation", "claim", "prompt_ids")
 
-    def __init__(self) -> None:
+    def __init__(self, prompt_ids: list[int]) -> None:
         self.generation: Generation | None = None
+        self.claim: Claim | None = None
+        self.prompt_ids = prompt_ids
 
 
 class Stream:
@@ -74,17 +77,27 @@ class Stream:
         print(s.generation.finish_reason)
     """
 
-    def __init__(self, pieces: Iterator[str], result: _Result):
-        self._pieces, self._result = pieces, result
+    def __init__(self, pieces: Iterator[str], result: _Result, turns: Turns):
+        self._pieces, self._result, self._turns = pieces, result, turns
+        self._closed = False
 
     def __iter__(self) -> "Stream":
         return self
 
     def __next__(self) -> str:
-        return next(self._pieces)
+        if self._closed:
+            raise StopIteration
+        if self._result.claim is None:  # the request starts: wait for the session (never inside a step)
+            self._result.claim = self._turns.take()
+        with self._turns.step:
+            return next(self._pieces)
 
     def close(self) -> None:
         """End the request now (its generation says "cancelled") and free the session for the next one."""
+        if self._result.claim is None and not self._closed:  # never started: nothing ran, nothing to free
+            self._result.generation = Generation("", [], "cancelled", RequestStats(), None,
+                                                 list(self._result.prompt_ids))
+        self._closed = True
         self._pieces.close()
 
     def __enter__(self) -> "Stream":
@@ -125,8 +138,12 @@ class Session:
         self.k_max = self._check_k(k_max if k_max is not None else max(self.k, min(2 * self.k, K_MAX)), "k_max")
         self.speculator = speculator
         if speculator is not None:
-            speculator.bind(self.target)
             speculator.attach(self)
+            try:
+                speculator.bind(self.target)
+            except BaseException:
+                speculator.detach(self)
+                raise
         self._turns = Turns()
         self._last_seq = 0
         self.stats = RequestStats(speculator=self._spec_name)
@@ -168,17 +185,25 @@ class Session:
         max_new = as_int(max_new_tokens, "max_new_tokens", 1, MAX_NEW_TOKENS)
         stops = self._check_stops(stop)
         stop_ids = set() if as_bool(ignore_eos, "ignore_eos") else set(self.manifest.eos_token_ids)
+        if stop_token_ids is not None and hasattr(stop_token_ids, "__len__") \
+                and len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise GenerationError(f"stop_token_ids holds {len(stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
+                                  "are allowed")
         extra = list(stop_token_ids) if stop_token_ids is not None else []
         if len(extra) > MAX_STOP_TOKEN_IDS:
             raise GenerationError(f"stop_token_ids holds {len(extra)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
         stop_ids |= set(self._check_ids(extra, "stop_token_ids"))
         k = self._check_k(k) if k is not None else self.k
         ctx = Context(tokens=list(prompt_ids), params=params, rng=make_rng(seed))
-        result = _Result()
-        return Stream(self._run(result, ctx, max_new, k, stops, stop_ids), result)
+        result = _Result(prompt_ids)
+        return Stream(self._run(result, ctx, max_new, k, stops, stop_ids), result, self._turns)
 
     # -- internals ------------------------------------------------------------------------------------------
     def _check_stops(self, stop) -> list[str]:
+        if isinstance(stop, (bytes, bytearray)):
+            raise GenerationError(f"stop must be text or a list of texts, got bytes {bytes(stop)[:40]!r}; decode it")
+        if stop is not None and hasattr(stop, "__len__") and not isinstance(stop, str) and len(stop) > MAX_STOP_STRINGS:
+            raise GenerationError(f"{len(stop)} stop strings given; at most {MAX_STOP_STRINGS} are allowed")
         stops = [stop] if isinstance(stop, str) else list(stop) if stop is not None else []
         if len(stops) > MAX_STOP_STRINGS:
             raise GenerationError(f"{len(stops)} stop strings given; at most {MAX_STOP_STRINGS} are allowed")
@@ -223,24 +248,24 @@ class Session:
 
     def _run(self, result: _Result, ctx: Context, max_new: int, k: int, stops: list[str],
              stop_ids: set[int]) -> Iterator[str]:
-        claim = self._turns.take()
+        claim = result.claim  # taken by Stream.__next__ before this first step
         target, spec = self.target, self.speculator
-        stats = RequestStats(prompt_tokens=len(ctx.tokens), speculator=self._spec_name,
-                             providers={"target": list(target.providers)})
-        if spec is not None:
-            stats.providers["draft"] = list(spec.providers)
-        text = TextStream(self.codec.decoder(), stops) if self.codec is not None else None
         prompt_len = len(ctx.tokens)
-        finish, reason = "error", None
-        run0 = target.run_seconds + (spec.run_seconds if spec else 0.0)
-        paused = 0.0
+        finish, reason, text, paused = "error", None, None, 0.0
+        stats = RequestStats(prompt_tokens=prompt_len, speculator=self._spec_name)
+        run0 = 0.0
         t_start = t_decode = time.perf_counter()
         try:
+            stats.providers = {"target": list(target.providers)}
+            if spec is not None:
+                stats.providers["draft"] = list(spec.providers)
+            text = TextStream(self.codec.decoder(), stops) if self.codec is not None else None
+            run0 = target.run_seconds + (spec.run_seconds if spec else 0.0)
             target.reset()
             if spec is not None:
                 spec.reset()
             if prompt_len > 1:
-                target.forward(ctx.tokens[:-1])
+                target.forward(ctx.tokens[:-1], rows=1)  # the prompt's logits are not needed
                 if spec is not None:
                     spec.prefill(ctx, Prefill(hidden=target.hidden))
             t_decode = time.perf_counter()
@@ -307,8 +332,9 @@ class Session:
                 tail = text.finish()
                 if tail:
                     yield tail
-        except GeneratorExit:  # the caller closed the stream
-            finish = "cancelled"
+        except GeneratorExit:  # the caller closed the stream (after its last piece, the finish stands)
+            if finish == "error":
+                finish = "cancelled"
             raise
         finally:
             end = time.perf_counter()
@@ -327,10 +353,14 @@ class Session:
                     self.last = result.generation
 
 
+_ROWS = np.arange(K_MAX + 1)
+
+
 def _argmax(logits: np.ndarray) -> np.ndarray:
-    """Row argmax [n]; a NaN row (a broken model) is an error, never a silent token 0."""
+    """Row argmax [n]; a NaN row (a broken model) is an error, never a silent token. NumPy's argmax lands
+    on a row's first NaN, so only the n picked values need a look."""
     top = logits.argmax(-1)
-    if np.isnan(logits[np.arange(len(top)), top]).any():
+    if np.isnan(logits[_ROWS[:len(top)], top]).any():
         raise GenerationError("the model produced NaN logits; check the export (e.g. fp16 overflow) or use the "
                               "fp32 variant")
     return top

@@ -5,6 +5,8 @@
 - A request from the same thread while one of that thread's streams is still open cancels that stream
   (waiting would deadlock: only this thread could finish it). The cancelled stream ends, the next time
   it is resumed, with ``finish_reason == "cancelled"`` and without touching the caches again.
+- Every step of a stream (one ``next()``) holds ``step``; a request that cancels a stream first waits for
+  a step of it that another thread may be running, so the two never touch the caches at once.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ class Claim:
 
     def __init__(self, thread: int, seq: int):
         self.thread = thread
+        """The thread that started the request (a stream may be resumed from others)."""
         self.seq = seq
         """Order in which requests started (later requests have larger numbers)."""
         self.cancelled = False
@@ -29,19 +32,27 @@ class Turns:
         self._cond = threading.Condition()
         self._owner: Claim | None = None
         self._seq = 0
+        self.step = threading.Lock()
+        """Held while a request's code runs (never while it waits in ``take``)."""
 
     def take(self) -> Claim:
         """Wait for the caches (or take them from this thread's own open stream) and hold them."""
         me = threading.get_ident()
+        cancelled = None
         with self._cond:
             while self._owner is not None:
                 if self._owner.thread == me:
-                    self._owner.cancelled = True
+                    cancelled = self._owner
+                    cancelled.cancelled = True
                     break
                 self._cond.wait()
             self._seq += 1
             self._owner = Claim(me, self._seq)
-            return self._owner
+            claim = self._owner
+        if cancelled is not None:  # a step of it may be running on another thread: let it finish first
+            with self.step:
+                pass
+        return claim
 
     def give_back(self, claim: Claim) -> None:
         with self._cond:

@@ -213,3 +213,31 @@ def test_unusable_cache_dir_compiles_uncached(mlp, tmp_path, monkeypatch, caplog
     assert g.cache.startswith("off: cache dir") and g.cache_path is None
     assert "without the cache" in caplog.text
     np.testing.assert_allclose(run(g, x), want, rtol=1e-6)
+
+
+def test_ort_failing_to_write_into_the_cache_compiles_uncached(mlp, tmp_path, monkeypatch, caplog):
+    """ORT itself writes the optimised graph: when that fails (disk full …) the model is not to blame."""
+    import sys as _sys
+
+    comp = _sys.modules["rlxrt.backends.compile"]
+
+    def fail(*a, **kw):
+        raise ModelFormatError("onnxruntime cannot load 'x': Failed to write optimized model")
+    monkeypatch.setattr(comp, "_compile_into_cache", fail)
+    with caplog.at_level("WARNING", logger="rlxrt"):
+        g = compile(mlp, cfg(tmp_path / "c"))
+    assert g.cache.startswith("off: cache dir") and "could not write" in g.cache
+    x = np.ones((1, 16), np.float32)
+    np.testing.assert_allclose(run(g, x), run(compile(mlp, cfg(tmp_path / "c2", cache=False)), x), rtol=1e-6)
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(mlp.read_bytes()[:-40])  # and a bad model is still a bad model
+    with pytest.raises(ModelFormatError):
+        compile(bad, cfg(tmp_path / "c"))
+
+
+def test_entry_with_a_truncated_file_is_rebuilt(mlp, cache_dir):
+    g1 = compile(mlp, cfg(cache_dir))
+    data = g1.cache_path / "model.onnx"
+    data.write_bytes(data.read_bytes()[:-10])
+    assert compile(mlp, cfg(cache_dir)).cache == "miss"
+    assert compile(mlp, cfg(cache_dir)).cache == "hit"

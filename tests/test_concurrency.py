@@ -170,3 +170,38 @@ def test_a_speculator_serves_one_session(graphs):
     assert first.generate([1, 2, 3], max_new_tokens=4).finish_reason in ("length", "stop")
     del owner  # once its Session is gone, a speculator may serve a new one
     assert Session(graphs[0], lookup, CFG).speculator is lookup
+
+
+def test_a_stream_resumed_on_another_thread_is_never_mixed_with_a_new_request(graphs, prompts, reference):
+    """The stream was started here and is consumed by a worker; a new request from here cancels it, but only
+    once the worker's step in flight has ended: the new output is exact, the old one a correct prefix."""
+    for trial in range(5):
+        session = make(graphs, "draft")
+        s = session.stream(prompts[0], max_new_tokens=N, ignore_eos=True)
+        next(s)
+        worker = threading.Thread(target=lambda: list(s))
+        worker.start()
+        g = session.generate(prompts[1], max_new_tokens=N, ignore_eos=True)
+        worker.join(60)
+        assert g.token_ids == reference[(1, 0.0)], trial
+        old = s.generation
+        assert old.finish_reason in ("cancelled", "length")
+        assert old.token_ids == reference[(0, 0.0)][:len(old.token_ids)], trial
+
+
+def test_closing_an_unstarted_stream(graphs, prompts, reference):
+    session = make(graphs, "plain")
+    s = session.stream(prompts[0], max_new_tokens=N)
+    s.close()
+    assert s.generation.finish_reason == "cancelled" and s.generation.token_ids == []
+    assert list(s) == []
+    assert session.generate(prompts[0], max_new_tokens=N, ignore_eos=True).token_ids == reference[(0, 0.0)]
+
+
+def test_closing_after_a_stop_string_keeps_the_finish(graphs, prompts):
+    session = make(graphs, "lookup")
+    text = session.generate(prompts[0], max_new_tokens=N, ignore_eos=True).text
+    stop = text[3:6]
+    with session.stream(prompts[0], max_new_tokens=N, stop=[stop], ignore_eos=True) as s:
+        got = "".join(s)
+    assert s.generation.finish_reason == "stop" and s.generation.stop_reason == stop and stop not in got

@@ -107,3 +107,13 @@ def test_frozen_and_overrides():
     assert c2.strict and c2.providers == ("cuda", "cpu") and c.strict is False
     with pytest.raises(ConfigError):
         c.with_overrides(nonsense=1)
+
+
+def test_defaults_are_the_lowest_precedence(tmp_path):
+    """What demo and bench use for their 1-thread default: the environment and the file still win."""
+    assert load_config(env={}, cwd=tmp_path, defaults={"intra_op_threads": 1}).intra_op_threads == 1
+    env = {"RLXRT_INTRA_OP_THREADS": "2"}
+    assert load_config(env=env, cwd=tmp_path, defaults={"intra_op_threads": 1}).intra_op_threads == 2
+    (tmp_path / "rlxrt.toml").write_text("intra_op_threads = 3\n")
+    assert load_config(env={}, cwd=tmp_path, defaults={"intra_op_threads": 1}).intra_op_threads == 3
+    assert load_config(env={}, cwd=tmp_path, defaults={"intra_op_threads": 1}, intra_op_threads=4).intra_op_threads == 4

@@ -95,3 +95,13 @@ def test_numpy_scalars_are_numbers():
     for bad in (True, np.bool_(True), "0.5", None):
         with pytest.raises(GenerationError, match="temperature"):
             SamplingParams(bad)
+
+
+@pytest.mark.parametrize("t", [1e40, 1e50, 1e300])
+def test_huge_temperatures_with_masked_tokens_stay_valid(t):
+    """1/T underflows float32 there: the scale is kept normal, so a masked (-inf) entry is never 0 * inf."""
+    logits = np.array([[1.0, 30.0, -np.inf, -5.0]], np.float32)
+    for top_k in (0, 2):
+        p = probs(logits, SamplingParams(temperature=t, top_k=top_k))
+        assert np.isfinite(p).all() and p[0, 2] == 0.0
+        np.testing.assert_allclose(p.sum(), 1.0)

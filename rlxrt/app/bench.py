@@ -83,6 +83,7 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
     """``config`` (an ``rlxrt.Config``; default: 1 intra-op thread on the CPU) is used for every graph."""
     from rlxrt.backends import compile
     from rlxrt.config import Config
+    from rlxrt.limits import K_MAX
     from rlxrt.sessions import DraftModel, MtpHead, PromptLookup, Session
 
     config = config if config is not None else Config(intra_op_threads=1, providers=("cpu",))
@@ -98,7 +99,7 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
         head_graph = compile(head_dir, config)
         specs += [Spec(f"mtp k={k}", lambda: MtpHead(head_graph), k=k) for k in ks]
     specs.append(Spec("prompt lookup k=4", lambda: PromptLookup(), k=4))
-    sessions = {s.name: Session(target_graph, s.make(), k=s.k, adaptive_k=s.adaptive, k_max=max(ks) + 2)
+    sessions = {s.name: Session(target_graph, s.make(), k=s.k, adaptive_k=s.adaptive, k_max=min(max(ks) + 2, K_MAX))
                 for s in specs}
     hf = None
     if hf_dirs is not None:

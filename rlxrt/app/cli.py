@@ -25,12 +25,13 @@ def _print_json(obj: Any) -> None:
     sys.stdout.write("\n")
 
 
-def _config(args: argparse.Namespace):
+def _config(args: argparse.Namespace, **defaults: Any):
+    """The config of a command: its flags > environment > TOML file > ``defaults`` > built-in defaults."""
     from rlxrt.config import load_config
 
     return load_config(getattr(args, "config", None), providers=getattr(args, "providers", None),
                        strict=True if getattr(args, "strict", False) else None,
-                       intra_op_threads=getattr(args, "threads", None))
+                       intra_op_threads=getattr(args, "threads", None), defaults=defaults)
 
 
 def cmd_providers(args: argparse.Namespace) -> int:
@@ -109,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     def runtime_flags(p: argparse.ArgumentParser, threads: int | None = None) -> None:
         p.add_argument("--providers", help="comma-separated preference list, e.g. cuda,cpu")
         p.add_argument("--strict", action="store_true", help="fail instead of falling back to another provider")
-        p.add_argument("--threads", type=int, default=threads,
-                       help=f"intra-op threads, 0..256 (0 = ORT default; default {threads if threads is not None else 'from config'})")
+        p.add_argument("--threads", type=int,
+                       help="intra-op threads, 0..256 (0 = ORT default; default: from RLXRT_INTRA_OP_THREADS or the "
+                            f"config file, else {threads if threads is not None else 0})")
         p.add_argument("--config", help="TOML config file (default: ./rlxrt.toml if present)")
 
     p = add("providers", cmd_providers, "list execution providers: available or not, why, and which would be used")

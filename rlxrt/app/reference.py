@@ -2,11 +2,11 @@
 ``importlib.resources``, so editable and regular installs alike find it."""
 from __future__ import annotations
 
-import json
 from importlib.resources import files
 from pathlib import Path
 
 from rlxrt.errors import ModelFormatError
+from rlxrt.files import read_json
 
 REFERENCE = Path(str(files("rlxrt") / "assets" / "reference"))
 
@@ -31,7 +31,7 @@ def reference_prompts() -> list[str]:
     path = REFERENCE / "prompts.json"
     if not path.is_file():
         return []
-    return [p["prompt"] for p in json.loads(path.read_text(encoding="utf-8"))]
+    return [p["prompt"] for p in read_json(path, "the shipped prompts", ModelFormatError)]
 
 
 def reference_weights() -> tuple[Path, Path] | None:
