@@ -21,7 +21,11 @@ from rlxrt.errors import ExportError, RlxrtError
 from rlxrt.manifest import Manifest
 
 from .deps import require_export_stack, versions
-from .families import Exporter, family_for
+from .families import FAMILIES, family_for
+from .fused import TASK as FUSED_TASK
+from .fused import build_graph, fused_layout
+from .fused import unsupported as fused_unsupported
+from .safetensors_np import read_weights
 from .source import read_config, recorded_name, resolve_source, weights_hash
 from .validate import TOLERANCE
 
@@ -76,13 +80,15 @@ def _load(torch, transformers, src: Path):
     return model.eval()
 
 
-def _special_tokens(model) -> tuple[int | None, tuple[int, ...], int | None]:
-    gen = getattr(model, "generation_config", None)
-    cfg = model.config
+def _special_tokens(config: dict, src_dir: Path) -> tuple[int | None, tuple[int, ...], int | None]:
+    """bos, eos ids and pad from generation_config.json (which wins, as in transformers) or config.json."""
+    gen = {}
+    if (src_dir / "generation_config.json").is_file():
+        gen = read_config(src_dir, "generation_config.json")
 
     def pick(name):
-        v = getattr(gen, name, None) if gen is not None else None
-        return v if v is not None else getattr(cfg, name, None)
+        v = gen.get(name)
+        return v if v is not None else config.get(name)
 
     eos = pick("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
@@ -90,10 +96,11 @@ def _special_tokens(model) -> tuple[int | None, tuple[int, ...], int | None]:
 
 
 def _save_tokenizer(transformers, src: Path, dst: Path) -> str | None:
+    """Copy the tokenizer files; without a tokenizer.json, transformers (when installed) writes one."""
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)
-    if not (dst / "tokenizer.json").is_file():
+    if not (dst / "tokenizer.json").is_file() and transformers is not None:
         try:
             tok = transformers.AutoTokenizer.from_pretrained(str(src))
             if getattr(tok, "is_fast", False):
@@ -106,34 +113,50 @@ def _save_tokenizer(transformers, src: Path, dst: Path) -> str | None:
 def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runner, dtype: str = "fp32",
                  quantize: str | None = None, force: bool = False, validate_export: bool = True,
                  atol: float | None = None, report: Callable[[str], None] | None = None,
-                 with_hidden_states: bool = False) -> ExportResult:
+                 with_hidden_states: bool = False, graph: str | None = None,
+                 max_context: int | None = None) -> ExportResult:
     """Export ``src`` (a local Hugging Face model directory or a hub id) into ``out``.
 
-    ``runner(graph_path)`` returns a ``run(feeds) -> {name: array}`` callable
-    for validation; ``rlxrt.export`` passes one built on ``rlxrt.backends.compile``.
-    ``with_hidden_states`` adds the last hidden state (the LM head's input) as
-    output ``hidden_states``, for draft heads that read it (``MtpHead``).
+    ``graph`` is ``fused`` (rlxrt's own graph from the safetensors weights, no torch needed; the default for
+    llama, mistral and qwen2 in fp32, with a KV buffer of ``max_context`` positions) or ``portable``
+    (optimum's graph, or rlxrt's recurrent graphs). ``runner(graph_path)`` returns a
+    ``run(feeds) -> {name: array}`` callable for validation; ``rlxrt.export`` passes one built on
+    ``rlxrt.backends.compile``. Validation against PyTorch needs torch and transformers; a fused export
+    without them records that it was not validated. ``with_hidden_states`` adds the last hidden state (the
+    LM head's input) as output ``hidden_states``, for draft heads that read it (``MtpHead``).
     """
     variant = _variant(dtype, quantize)
     out = Path(out).expanduser()
     _prepare_out(out, force)
     src_dir = resolve_source(src)
     config = read_config(src_dir)
-    torch, transformers, _ = require_export_stack()
-    family = family_for(config)
+    kind = _graph_kind(graph, config, variant, max_context)
     steps = _Steps(report)
-
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        model = steps.run("load", _load, torch, transformers, src_dir)
         final = work / "model"
         final.mkdir()
-        family.export(steps, torch, model, final / GRAPH, variant, with_hidden_states)
-        layout = family.layout(model, final / GRAPH, variant, with_hidden_states)
-        manifest = assemble_manifest(config, model, family, layout, src, src_dir,
-                                     _save_tokenizer(transformers, src_dir, final))
-        if validate_export:
+        if kind == "fused":
+            weights = steps.run("read", read_weights, src_dir)
+            spec = steps.run("build", build_graph, config, weights, final / GRAPH, capacity=max_context,
+                             with_hidden=with_hidden_states)
+            del weights
+            layout, task, family = fused_layout(spec, with_hidden_states), FUSED_TASK, FAMILIES["attention"]
+            stack = _torch_stack() if validate_export else None
+            torch, transformers = stack or (None, None)
+        else:
+            torch, transformers, _ = require_export_stack()
+            family = family_for(config)
+            model = steps.run("load", _load, torch, transformers, src_dir)
+            family.export(steps, torch, model, final / GRAPH, variant, with_hidden_states)
+            layout, task = family.layout(model, final / GRAPH, variant, with_hidden_states), family.task
+        manifest = assemble_manifest(config, task, layout, src, src_dir, _save_tokenizer(transformers, src_dir, final))
+        if validate_export and torch is None:
+            manifest = replace(manifest, validation={"skipped": True, "reason": "torch/transformers not installed"})
+        elif validate_export:
+            if kind == "fused":
+                model = steps.run("load", _load, torch, transformers, src_dir)
             record = steps.run("validate", family.validate, torch, model, manifest, runner(final / GRAPH),
                                atol if atol is not None else TOLERANCE[variant])
             _check_validation(record)
@@ -148,6 +171,33 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _graph_kind(graph: str | None, config: dict, variant: str, max_context: int | None) -> str:
+    """fused or portable: as asked, else fused where rlxrt builds it (Llama-style families, fp32)."""
+    if graph not in (None, "fused", "portable"):
+        raise ExportError(f"graph {graph!r} is not a graph kind; use fused or portable")
+    why_not = fused_unsupported(config)
+    if graph == "fused" and why_not:
+        raise ExportError(f"{why_not}; export with --graph portable")
+    if graph == "fused" and variant != "float32":
+        raise ExportError(f"the fused graph is fp32 for now (asked for {variant}); drop --dtype/--quantize or "
+                          "pass --graph portable")
+    kind = graph or ("fused" if not why_not and variant == "float32" else "portable")
+    if max_context is not None and kind != "fused":
+        raise ExportError("--max-context sets the KV buffer of a fused graph; a portable graph has none "
+                          "(drop it, or pass --graph fused)")
+    return kind
+
+
+def _torch_stack():
+    """(torch, transformers) when both are installed (to validate a fused graph), else None."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    return torch, transformers
+
+
 def _variant(dtype: str, quantize: str | None) -> str:
     """The weights' form: float32, float16 or int8; ExportError for a combination rlxrt does not make."""
     if dtype not in DTYPES:
@@ -159,17 +209,16 @@ def _variant(dtype: str, quantize: str | None) -> str:
     return "int8" if quantize else DTYPES[dtype]
 
 
-def assemble_manifest(config: dict, model, family: Exporter, layout: dict, src, src_dir: Path,
-                      tokenizer: str | None) -> Manifest:
-    """The manifest of every family: what the model says of itself, the family's ``layout`` (dtype, inputs,
-    outputs, kv_cache, state, max_positions), where it came from (no absolute path) and the tool versions;
-    validation is filled in once it has run."""
-    bos, eos, pad = _special_tokens(model)
+def assemble_manifest(config: dict, task: str, layout: dict, src, src_dir: Path, tokenizer: str | None) -> Manifest:
+    """The manifest of every family: what the model says of itself (config.json, generation_config.json),
+    the family's ``layout`` (dtype, inputs, outputs, kv_cache, state, max_positions, graph kind), where it
+    came from (no absolute path) and the tool versions; validation is filled in once it has run."""
+    bos, eos, pad = _special_tokens(config, src_dir)
     return Manifest(
-        architecture=(config.get("architectures") or [type(model).__name__])[0], model_type=config["model_type"],
-        vocab_size=int(model.config.vocab_size), graph=GRAPH, **layout,
+        architecture=(config.get("architectures") or [config["model_type"]])[0], model_type=config["model_type"],
+        vocab_size=int(config["vocab_size"]), graph=GRAPH, **layout,
         bos_token_id=bos, eos_token_ids=eos, pad_token_id=pad, tokenizer=tokenizer,
-        source={"path_or_id": recorded_name(src), "weights_sha256": weights_hash(src_dir), "task": family.task},
+        source={"path_or_id": recorded_name(src), "weights_sha256": weights_hash(src_dir), "task": task},
         versions=versions(), validation={"skipped": True})
 
 

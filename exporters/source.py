@@ -59,11 +59,14 @@ def resolve_source(src: str | os.PathLike) -> Path:
         raise ExportError(f"downloading {src!r} from the hub failed ({exc}); {alternative}") from None
 
 
-def read_config(path: Path) -> dict:
+def read_config(path: Path, name: str = "config.json") -> dict:
     try:
-        return json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError as exc:
-        raise ExportError(f"{str(path / 'config.json')!r} is not valid JSON ({exc})") from None
+        data = json.loads((path / name).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ExportError(f"{str(path / name)!r} is not valid JSON ({exc}); fix or re-save the model") from None
+    if not isinstance(data, dict):
+        raise ExportError(f"{str(path / name)!r} holds a {type(data).__name__}, not a JSON object")
+    return data
 
 
 def recorded_name(src: str | os.PathLike) -> str:

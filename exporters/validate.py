@@ -33,11 +33,15 @@ def feeds_for(manifest: Manifest, ids: np.ndarray, past: list[np.ndarray] | None
         feeds[manifest.inputs["attention_mask"]] = np.ones((1, past_len + s), np.int64)
     if manifest.inputs.get("position_ids"):
         feeds[manifest.inputs["position_ids"]] = np.arange(past_len, past_len + s, dtype=np.int64)[None]
+    if manifest.graph_kind == "fused":  # positions and rows as numbers; the past is the whole buffer
+        feeds[manifest.inputs["seqlens_k"]] = np.array([past_len + s - 1], np.int32)
+        feeds[manifest.inputs["total_sequence_length"]] = np.array(past_len + s, np.int32)
+        feeds[manifest.inputs["num_logits"]] = np.array([s], np.int64)
     if kv is not None:
         for i in range(kv.layers):
             pk, pv, _, _ = kv.names(i)
             if past is None:
-                empty = np.zeros((1, kv.kv_heads, 0, kv.head_dim), dtype=kv.dtype)
+                empty = np.zeros((1, kv.kv_heads, kv.capacity or 0, kv.head_dim), dtype=kv.dtype)
                 feeds[pk], feeds[pv] = empty, empty
             else:
                 feeds[pk], feeds[pv] = past[2 * i], past[2 * i + 1]

@@ -40,6 +40,9 @@ class KVCacheLayout:
     """Output name pattern of the present keys (``present.{i}.key``)."""
     present_value: str
     """Output name pattern of the present values. Every cache tensor is [batch, kv_heads, seq, head_dim]."""
+    capacity: int | None = None
+    """Fused graphs: the length of the one buffer per tensor that is bound as both past and present (the
+    longest sequence a session can run); None for portable graphs, whose past grows with every call."""
 
     def names(self, i: int) -> tuple[str, str, str, str]:
         return (self.past_key.format(i=i), self.past_value.format(i=i),
@@ -105,6 +108,9 @@ class Manifest:
     """Result of validating ORT against PyTorch (max abs diff, argmax agreement, tolerance)."""
     state: StateLayout | None = None
     """Recurrent state tensors, or None for a pure attention model."""
+    graph_kind: str = "portable"
+    """``portable`` (optimum's graph: past in, a longer present out, all logits rows) or ``fused`` (rlxrt's
+    own graph: GroupQueryAttention over a shared KV buffer, logits for the last ``num_logits`` rows)."""
     draft_head: dict[str, Any] | None = None
     """For a draft head (not a language model): ``kind`` (``mtp``), ``hidden_size`` and the ``target``
     it was trained on (``path_or_id``, ``weights_sha256``); None for a model."""

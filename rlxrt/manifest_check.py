@@ -10,14 +10,16 @@ from .errors import ModelFormatError
 
 DTYPES = ("float32", "float16", "bfloat16", "int8", "int4")
 CACHE_DTYPES = ("float32", "float16", "bfloat16")
+GRAPH_KINDS = ("portable", "fused")
 FIX = "re-export the model with `rlxrt export`, or correct the field"
 
 
 class _Fields:
     def __init__(self, data: Any, where: str, path: str = ""):
         if not isinstance(data, dict):
-            raise ModelFormatError(f"{where}: {path or 'the manifest'} must be a JSON object, got "
-                                   f"{type(data).__name__}; {FIX}")
+            what = f"field {path!r}" if path else "the manifest"
+            raise ModelFormatError(f"{where}: {what} must be a JSON object, got {type(data).__name__} "
+                                   f"{str(data)[:60]!r}; {FIX}")
         self.data, self.where, self.path = data, where, path
 
     def _name(self, key: str) -> str:
@@ -68,8 +70,25 @@ class _Fields:
             raise self.fail(key, "a JSON object", v)
         return v
 
-    def sub(self, key: str) -> "_Fields":
-        return _Fields(self.get(key), self.where, self._name(key))
+    def sub(self, key: str, known: tuple[str, ...] | None = None) -> "_Fields":
+        """The object at ``key``; with ``known``, a key it does not list is an error (a typo, or a field of a
+        newer rlxrt)."""
+        f = _Fields(self.get(key), self.where, self._name(key))
+        f.only(known)
+        return f
+
+    def only(self, known: tuple[str, ...] | None) -> None:
+        unknown = sorted(set(self.data) - set(known)) if known is not None else []
+        if unknown:
+            raise ModelFormatError(f"{self.where}: unknown field(s) {', '.join(repr(self._name(k)) for k in unknown)} "
+                                   f"(known here: {', '.join(known)}); {FIX}")
+
+    def strings(self, keys: tuple[str, ...]) -> None:
+        """Each of ``keys``, where present, is a string or null."""
+        for key in keys:
+            v = self.data.get(key)
+            if v is not None and not isinstance(v, str):
+                raise self.fail(key, "a string or null", v)
 
     def names(self, key: str, required_roles: tuple[str, ...]) -> dict[str, str | None]:
         v = self.table(key)
@@ -81,6 +100,13 @@ class _Fields:
                 raise ModelFormatError(f"{self.where}: field {self._name(key + '.' + role)!r} is required "
                                        f"(the graph's {role} tensor); {FIX}")
         return dict(v)
+
+
+def _source(f: _Fields) -> dict:
+    if f.get("source", required=False) is None:
+        return {}
+    f.sub("source").strings(("path_or_id", "weights_sha256", "task", "gguf_sha256"))
+    return f.data["source"]
 
 
 def parse(cls, data: Any, where: str):
@@ -96,7 +122,7 @@ def parse(cls, data: Any, where: str):
                                "re-export the model with this version of rlxrt")
     known = {"architecture", "model_type", "vocab_size", "max_positions", "graph", "dtype", "inputs", "outputs",
              "kv_cache", "bos_token_id", "eos_token_ids", "pad_token_id", "tokenizer", "source", "versions",
-             "validation", "state", "draft_head", "schema"}
+             "validation", "state", "draft_head", "graph_kind", "schema"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ModelFormatError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))} for schema {SCHEMA} "
@@ -108,7 +134,8 @@ def parse(cls, data: Any, where: str):
         raise f.fail("eos_token_ids", "a list of token ids", eos)
     kv = None
     if f.get("kv_cache", required=False) is not None:
-        k = f.sub("kv_cache")
+        k = f.sub("kv_cache", ("layers", "kv_heads", "head_dim", "dtype", "past_key", "past_value", "present_key",
+                               "present_value", "capacity", "seq_axis"))
         legacy_axis = k.data.get("seq_axis", 2)  # written by rlxrt before 0.2; the layout is fixed at axis 2
         if legacy_axis != 2:
             raise k.fail("seq_axis", "2 (caches are [batch, kv_heads, seq, head_dim])", legacy_axis)
@@ -118,16 +145,18 @@ def parse(cls, data: Any, where: str):
             if "{i}" not in patterns[name]:
                 raise k.fail(name, "a name pattern with {i} for the layer", patterns[name])
         kv = KVCacheLayout(layers=k.integer("layers", 1), kv_heads=k.integer("kv_heads", 1),
-                           head_dim=k.integer("head_dim", 1), dtype=k.choice("dtype", CACHE_DTYPES), **patterns)
+                           head_dim=k.integer("head_dim", 1), dtype=k.choice("dtype", CACHE_DTYPES),
+                           capacity=k.integer("capacity", 1, required=False), **patterns)
     state = None
     if f.get("state", required=False) is not None:
-        st = f.sub("state")
+        st = f.sub("state", ("tensors", "max_tokens_per_call"))
         tensors = st.get("tensors")
         if not isinstance(tensors, list) or not tensors:
             raise st.fail("tensors", "a non-empty list", tensors)
         parsed = []
         for i, t in enumerate(tensors):
             tf = _Fields(t, where, f"state.tensors[{i}]")
+            tf.only(("input", "output", "shape", "dtype"))
             shape = tf.get("shape")
             if not isinstance(shape, list) or not shape:
                 raise tf.fail("shape", "a non-empty list of sizes", shape)
@@ -136,14 +165,17 @@ def parse(cls, data: Any, where: str):
         state = StateLayout(tuple(parsed), st.integer("max_tokens_per_call", 1))
     head = f.table("draft_head", required=False)
     if head is not None:
-        hf = f.sub("draft_head")
+        hf = f.sub("draft_head", ("kind", "hidden_size", "target"))
         hf.text("kind")
         hf.integer("hidden_size", 1)
         if hf.get("target", required=False) is not None:
-            hf.table("target")
+            hf.sub("target", ("path_or_id", "weights_sha256")).strings(("path_or_id", "weights_sha256"))
     inputs = f.names("inputs", ("input_ids",))
     if head is not None and not inputs.get("hidden_states"):
         raise ModelFormatError(f"{where}: a draft head needs field 'inputs.hidden_states'; {FIX}")
+    kind = f.choice("graph_kind", GRAPH_KINDS) if "graph_kind" in data else "portable"
+    if kind == "fused" and (kv is None or kv.capacity is None):
+        raise ModelFormatError(f"{where}: a fused graph needs field 'kv_cache.capacity' (its KV buffer length); {FIX}")
     if kv is None and state is None:
         raise ModelFormatError(f"{where}: the manifest declares neither a KV cache ('kv_cache') nor recurrent "
                                f"state ('state'); {FIX}")
@@ -155,5 +187,6 @@ def parse(cls, data: Any, where: str):
         eos_token_ids=tuple(f.integer(f"eos_token_ids[{i}]", value=t, **token) for i, t in enumerate(eos)),
         pad_token_id=f.integer("pad_token_id", 0, required=False),
         tokenizer=f.text("tokenizer", required=False, file_name=True),
-        source=f.table("source", required=False) or {}, versions=f.table("versions", required=False) or {},
-        validation=f.table("validation", required=False) or {}, state=state, draft_head=head, schema=schema)
+        source=_source(f), versions=f.table("versions", required=False) or {},
+        validation=f.table("validation", required=False) or {}, state=state, draft_head=head, graph_kind=kind,
+        schema=schema)

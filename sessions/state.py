@@ -63,8 +63,9 @@ class StateModel(GraphModel):
                                   f"{sorted(self._states)}); a recurrent model commits forward only")
         return self._states[length]
 
-    def forward(self, tokens, hidden: np.ndarray | None = None) -> np.ndarray:
-        """Feed ``tokens`` after the first ``length``; returns their logits [s, V]. A head is given
+    def forward(self, tokens, hidden: np.ndarray | None = None, rows: int | None = None) -> np.ndarray:
+        """Feed ``tokens`` after the first ``length``; returns their logits [s, V] (the last ``rows`` of them
+        when given). A head is given
         ``hidden`` [1, H], the last position's hidden state, and returns that position's logits [1, V]."""
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         start = self.length
@@ -75,7 +76,7 @@ class StateModel(GraphModel):
             raise GenerationError(f"{self.graph.path}: a draft head reads the hidden state of the last fed "
                                   f"position, one row; got {None if hidden is None else len(hidden)}")
         state = self.state(start)
-        rows, hid = [], []
+        parts, hid = [], []
         for c in range(0, len(ids), self.chunk):
             part = ids[c:c + self.chunk]
             feeds = {self.ids_name: part[None]}
@@ -89,7 +90,7 @@ class StateModel(GraphModel):
             out = self._run(self.output_names, feeds)
             if self.kv is not None:
                 self.kv.cache = out[self._states_end:]
-            rows.append(out[0][0])
+            parts.append(out[0][0])
             if self._first_state == 2:
                 hid.append(out[1][0])
             states = out[self._first_state:self._states_end]
@@ -100,8 +101,9 @@ class StateModel(GraphModel):
         if hid:
             self.hidden = hid[-1] if self.hidden_in is not None or len(hid) == 1 else np.concatenate(hid)
         if self.hidden_in is not None:
-            return rows[-1]
-        return rows[0] if len(rows) == 1 else np.concatenate(rows)
+            return parts[-1]
+        logits = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return logits if rows is None else logits[-rows:]
 
     def commit(self, length: int) -> None:
         """Keep the state after the first ``length`` tokens; states of later positions are dropped
@@ -120,4 +122,8 @@ def decoder_for(graph: CompiledGraph):
                                "language model; bind it as a speculator: MtpHead(dir) / --speculator mtp")
     if m is not None and m.state is not None:
         return StateModel(graph)
+    if m is not None and m.graph_kind == "fused":
+        from .fused import FusedKVModel
+
+        return FusedKVModel(graph)
     return KVModel(graph)

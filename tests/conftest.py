@@ -81,14 +81,16 @@ class _Exports:
         return self.done[key]
 
     def __call__(self, family: str, seed: int = 0, dtype: str = "fp32", quantize: str | None = None,
-                 with_hidden: bool = False, **kw) -> Path:
+                 with_hidden: bool = False, graph: str | None = None, **kw) -> Path:
+        """The export of a random-init ``family`` model; ``graph`` None is rlxrt's default (fused for llama,
+        qwen2 and mistral in fp32 with a head size that is a multiple of 16, else portable)."""
         import rlxrt
 
-        key = ("onnx", family, seed, dtype, quantize, with_hidden, tuple(sorted(kw.items())))
+        key = ("onnx", family, seed, dtype, quantize, with_hidden, graph, tuple(sorted(kw.items())))
         if key not in self.done:
             src = self.source(family, seed, **kw)
-            out = self.root / f"onnx-{family}-{seed}-{dtype}-{quantize}-{len(self.done)}"
-            rlxrt.export(src, out, dtype=dtype, quantize=quantize, with_hidden_states=with_hidden)
+            out = self.root / f"onnx-{family}-{seed}-{dtype}-{quantize}-{graph}-{len(self.done)}"
+            rlxrt.export(src, out, dtype=dtype, quantize=quantize, with_hidden_states=with_hidden, graph=graph)
             self.done[key] = out
         return self.done[key]
 

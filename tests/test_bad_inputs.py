@@ -150,6 +150,7 @@ BUILD = [
     ("threads", lambda g, t, f: Config(intra_op_threads=10 ** 6), ConfigError, ["1000000", "0..256"]),
     ("inter threads", lambda g, t, f: Config(inter_op_threads=-1), ConfigError, ["-1", "0..256"]),
     ("threads bool", lambda g, t, f: Config(intra_op_threads=True), ConfigError, ["True", "0..256"]),
+    ("threads numpy float", lambda g, t, f: Config(intra_op_threads=np.float32(2.5)), ConfigError, ["2.5", "0..256"]),
     ("provider", lambda g, t, f: Config(providers=["gpu"]), ConfigError, ["'gpu'", "known providers"]),
     ("strict", lambda g, t, f: Config(strict="maybe"), ConfigError, ["'maybe'", "true or false"]),
     ("cache flag", lambda g, t, f: Config(cache=1), ConfigError, ["cache", "got 1", "true or false"]),
@@ -221,6 +222,12 @@ MANIFESTS = [
     ("schema", _set("schema", "rlxrt.manifest/9"), ["rlxrt.manifest/9", "re-export"]),
     ("architecture", _set("architecture", KeyError), ["'architecture'", "missing"]),
     ("source", _set("source", "here"), ["source", "'here'", "JSON object"]),
+    ("source hash", _set("source.weights_sha256", 12), ["source.weights_sha256", "12", "string"]),
+    ("kv typo", _set("kv_cache.kv_head", 4), ["'kv_cache.kv_head'", "known here"]),
+    ("undeclared input", _set("inputs.position_ids", None), ["'position_ids'", "does not declare"]),
+    ("capacity", _set("kv_cache.capacity", 0), ["kv_cache.capacity", "got 0"]),
+    ("graph kind", _set("graph_kind", "magic"), ["graph_kind", "'magic'", "portable, fused"]),
+    ("fused without capacity", _set("graph_kind", "fused"), ["kv_cache.capacity", "fused"]),
 ]
 RAW = [("not json", b"{", ["not valid JSON"]), ("latin1", "{\"a\": \"\xe9\"}".encode("latin-1"), ["not UTF-8"]),
        ("a list", b"[]", ["JSON object", "list"])]

@@ -64,7 +64,7 @@ def test_family_exports_with_a_valid_manifest(exported, family):
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_k_plus_1_step_equals_single_steps(exported, family):
-    out = exported(family)
+    out = exported(family, graph="portable")
     m, g = Manifest.load(out), graph(out)
     prompt, new = [5, 9, 17, 3, 44, 12], [7, 100, 23, 8, 61]
     _, past = step(g, m, prompt, None, 0)
@@ -80,7 +80,7 @@ def test_k_plus_1_step_equals_single_steps(exported, family):
 
 @pytest.mark.parametrize("keep", [0, 1, 3])
 def test_rollback_equals_never_feeding_rejected_tokens(exported, keep):
-    out = exported("qwen2")
+    out = exported("qwen2", graph="portable")
     m, g = Manifest.load(out), graph(out)
     prompt, drafted, cont = [5, 9, 17, 3], [70, 71, 72, 73], [200, 201]
     _, past = step(g, m, prompt, None, 0)
@@ -100,14 +100,14 @@ def test_variants_load_and_validate(exported, dtype, quantize, tol):
     assert m.dtype == ("float16" if dtype == "fp16" else "int8")
     assert m.kv_cache.dtype == ("float16" if dtype == "fp16" else "float32")
     assert m.validation["passed"] and 0.0 <= m.validation["argmax_agreement"] <= 1.0
-    fp32 = exported("llama")
+    fp32 = exported("llama", graph="portable")
     logits, _ = step(graph(out), m, [5, 9, 17], None, 0)
     ref, _ = step(graph(fp32), Manifest.load(fp32), [5, 9, 17], None, 0)
     assert np.abs(logits.astype(np.float32) - ref).max() < tol
 
 
 def test_int8_is_smaller(exported):
-    a = (exported("llama") / "model.onnx").stat().st_size
+    a = (exported("llama", graph="portable") / "model.onnx").stat().st_size
     b = (exported("llama", quantize="int8") / "model.onnx").stat().st_size
     assert b < a
 
@@ -179,7 +179,7 @@ def test_hub_id_offline_fails_fast(tmp_path, monkeypatch):
 def test_torch_missing_names_the_extra(tmp_path):
     code = ("import sys; sys.modules['torch'] = None\n"
             "import rlxrt\n"
-            "try:\n    rlxrt.export(sys.argv[1], sys.argv[2])\n"
+            "try:\n    rlxrt.export(sys.argv[1], sys.argv[2], graph='portable')\n"
             "except rlxrt.MissingDependencyError as e:\n    print('MISSING', e)\n")
     src = tmp_path / "src"
     src.mkdir()

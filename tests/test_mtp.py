@@ -65,7 +65,7 @@ def test_export_with_hidden_states_matches_torch(exported, target):
     m = rlxrt.Manifest.load(target)
     assert m.outputs["hidden_states"] == "hidden_states"
     assert m.validation["passed"] and m.validation["max_abs_diff_hidden"] < 1e-4
-    model = KVModel(compile(target, CFG))
+    model = decoder_for(compile(target, CFG))
     model.fetch_hidden()
     ids = [5, 9, 40, 7, 12, 3]
     model.forward(ids[:4])
@@ -176,7 +176,7 @@ def test_several_requests_in_a_row_reset_the_head(target, head, plain):
 def test_sampled_output_with_the_mtp_head_has_the_targets_distribution(target, head):
     """First and second emitted tokens against the target's exact marginals (the second by enumerating
     the first), over many seeds: accepted, recovered and bonus paths all feed the counts."""
-    p1, p2 = two_token_marginals(KVModel(compile(target, CFG)), [5, 17, 42, 9], SamplingParams(temperature=1.0))
+    p1, p2 = two_token_marginals(decoder_for(compile(target, CFG)), [5, 17, 42, 9], SamplingParams(temperature=1.0))
     s = Session(target, MtpHead(head, CFG), CFG, k=2)
     assert_first_two_tokens_follow(s, [5, 17, 42, 9], p1, p2, draws=5000)
     assert s.stats.accepted > 0 and s.stats.acceptance_rate < 0.95
@@ -226,7 +226,7 @@ def test_a_long_prompt_is_read_in_chunks(target, head, exported):
     """A prompt longer than the head's 32 positions per call: the state after prefill equals the
     sequential one, and generation stays exact."""
     prompt = (PROMPT * 4)[:150]
-    tgt = KVModel(compile(target, CFG))
+    tgt = decoder_for(compile(target, CFG))
     spec = MtpHead(head, CFG)
     spec.bind(tgt)
     ctx = Context(tokens=Session(target, None, CFG)._prompt_ids(prompt), params=SamplingParams(),

@@ -7,29 +7,32 @@ from typing import Callable
 
 def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32", quantize: str | None = None,
            force: bool = False, validate: bool = True, atol: float | None = None,
-           report: Callable[[str], None] | None = None, with_hidden_states: bool = False):
+           report: Callable[[str], None] | None = None, with_hidden_states: bool = False,
+           graph: str | None = None, max_context: int | None = None):
     """Export a Hugging Face causal LM (local directory or hub id) to an rlxrt model directory.
 
     Returns ``rlxrt.exporters.ExportResult`` (path, manifest, seconds per step).
     ``dtype`` is fp32 or fp16; ``quantize="int8"`` applies dynamic int8
     quantisation. Validation against PyTorch runs unless ``validate=False``.
     ``with_hidden_states`` adds the last hidden state as an output (for ``MtpHead``).
-    Needs ``pip install 'rlxrt[export]'``.
+    ``graph`` is ``fused`` (rlxrt's own graph with fused attention and a KV buffer of ``max_context``
+    positions; the default for llama, mistral and qwen2 in fp32, built without torch) or ``portable``
+    (optimum's graph). The portable path needs ``pip install 'rlxrt[export]'``.
     """
-    from rlxrt.checks import as_bool, as_float
+    from rlxrt.checks import as_bool, as_float, as_int
     from rlxrt.errors import ExportError
-    from rlxrt.exporters.deps import require_export_stack
 
     force, validate = as_bool(force, "force", ExportError), as_bool(validate, "validate", ExportError)
     with_hidden_states = as_bool(with_hidden_states, "with_hidden_states", ExportError)
     if atol is not None and as_float(atol, "atol", error=ExportError) <= 0:
         raise ExportError(f"atol must be a positive number (a max abs logit difference), got {atol!r}")
-    require_export_stack()
+    if max_context is not None:
+        max_context = as_int(max_context, "max_context", 1, error=ExportError)
     from rlxrt.exporters import export_model
 
     return export_model(src, out, runner=runner, dtype=dtype, quantize=quantize, force=force,
                         validate_export=validate, atol=atol, report=report,
-                        with_hidden_states=with_hidden_states)
+                        with_hidden_states=with_hidden_states, graph=graph, max_context=max_context)
 
 
 def runner(graph_path: str | os.PathLike) -> Callable[[dict], dict]:

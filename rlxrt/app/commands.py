@@ -15,12 +15,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if args.atol is not None and not (math.isfinite(args.atol) and args.atol > 0):
         raise UsageError(f"--atol must be a positive number, got {args.atol}")
+    if args.max_context is not None and args.max_context < 1:
+        raise UsageError(f"--max-context must be >= 1, got {args.max_context}")
     report = None if args.quiet else (lambda line: print(f"  {line}", file=sys.stderr))
     if not args.quiet:
         print(f"exporting {args.src} -> {args.out}", file=sys.stderr)
     res = export(args.src, args.out, dtype=args.dtype, quantize=args.quantize, force=args.force,
                  validate=not args.no_validate, atol=args.atol, report=report,
-                 with_hidden_states=args.with_hidden_states)
+                 with_hidden_states=args.with_hidden_states, graph=args.graph, max_context=args.max_context)
     m = res.manifest
     v = m.validation
     if args.json:
@@ -187,7 +189,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise UsageError(f"--prompt-index {args.prompt_index} is out of range: there are {len(prompts)} prompt(s) "
                          f"(0..{len(prompts) - 1})")
     run_demo(target, draft, prompts[args.prompt_index], max_new_tokens=args.max_new_tokens, k=args.k,
-             config=_config(args), repeats=args.repeats)
+             config=_config(args, intra_op_threads=1), repeats=args.repeats)
     return 0
 
 
@@ -219,7 +221,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError("--no-hf and --hf-target/--hf-draft exclude each other")
     temps = _numbers(args.temperatures, "--temperatures", float, 0.0, 100.0)
     ks = _numbers(args.ks, "--ks", int, 1, K_MAX)
-    config = _config(args)
+    config = _config(args, intra_op_threads=1)
     target, draft = _pair(args)
     prompts = _prompts(args, args.prompts)
     hf = None
@@ -257,6 +259,10 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     p.add_argument("--no-validate", action="store_true", help="skip the ORT-vs-PyTorch check")
     p.add_argument("--atol", type=float, help="validation tolerance (max abs logit diff, scaled by max |logit|)")
+    p.add_argument("--graph", choices=["fused", "portable"],
+                   help="fused: rlxrt's own graph (fused attention, a KV buffer bound in place, only the logits rows "
+                        "needed; default for llama, mistral, qwen2 in fp32; no torch needed); portable: optimum's")
+    p.add_argument("--max-context", type=int, help="fused graphs: KV buffer length (default: the model's max positions)")
     p.add_argument("--with-hidden-states", action="store_true",
                    help="also output the last hidden state (needed by an MTP head drafting for this target)")
     p.add_argument("--quiet", action="store_true", help="no step report")

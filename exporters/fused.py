@@ -1,0 +1,243 @@
+"""The fused decoder graph of a Llama-style model (llama, mistral, qwen2), built from its weights.
+
+No torch: the weights are read from safetensors with numpy and the graph is written with onnx helpers.
+One block per layer, as ONNX Runtime's contrib ops fuse it:
+
+    x = Gather(embedding, input_ids)
+    n = SimplifiedLayerNormalization(x)                         # RMSNorm
+    per layer:
+        qkv  = MatMul(n, W_qkv) (+ bias)                        # q, k, v packed in one weight
+        attn = GroupQueryAttention(qkv, past_k, past_v, seqlens_k, total_sequence_length, cos, sin)
+        n, r = SkipSimplifiedLayerNormalization(attn @ W_o, r)  # residual add + RMSNorm in one op
+        gate, up = Split(MatMul(n, W_gate_up))                  # gate and up packed
+        n, r = SkipSimplifiedLayerNormalization((silu(gate) * up) @ W_down, r)
+    logits = Gemm(last num_logits rows of n, embedding^T)       # only the rows the caller needs
+
+The KV cache is one buffer per tensor of a fixed capacity, [1, kv_heads, capacity, head_dim], bound as
+both past and present: GroupQueryAttention writes the new keys/values at positions
+seqlens_k + 1 - S .. seqlens_k and attends causally over 0 .. seqlens_k, rotary applied inside at those
+positions. A rollback is only a shorter committed length in the next call.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from rlxrt.errors import ExportError
+from rlxrt.manifest import KVCacheLayout
+
+FAMILIES = ("llama", "mistral", "qwen2")
+TASK = "text-generation-fused"
+OPSET, MS = 17, "com.microsoft"
+PAST = ("past_key_values.{i}.key", "past_key_values.{i}.value", "present.{i}.key", "present.{i}.value")
+INPUTS = {"input_ids": "input_ids", "seqlens_k": "seqlens_k", "total_sequence_length": "total_sequence_length",
+          "num_logits": "num_logits", "attention_mask": None, "position_ids": None}
+
+
+def unsupported(config: dict) -> str | None:
+    """Why the fused graph cannot be built for this config.json (None: it can)."""
+    if config.get("model_type") not in FAMILIES:
+        return f"the fused graph covers {', '.join(FAMILIES)}, not model type {config.get('model_type')!r}"
+    heads = int(config.get("num_attention_heads") or 1)
+    head_dim = int(config.get("head_dim") or int(config.get("hidden_size", 0)) // heads)
+    if head_dim % 16:
+        return f"ONNX Runtime's GroupQueryAttention needs a head size that is a multiple of 16, this model's is {head_dim}"
+    return None
+
+
+class Spec:
+    """The numbers of a Llama-style config.json the graph needs."""
+
+    def __init__(self, config: dict, capacity: int | None):
+        if config.get("model_type") not in FAMILIES:
+            raise ExportError(f"the fused graph covers {', '.join(FAMILIES)}; model type "
+                              f"{config.get('model_type')!r} exports with --graph portable")
+        c = config
+        self.model_type = c["model_type"]
+        self.hidden, self.layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
+        self.heads = int(c["num_attention_heads"])
+        self.kv_heads = int(c.get("num_key_value_heads") or self.heads)
+        self.head_dim = int(c.get("head_dim") or self.hidden // self.heads)
+        self.intermediate, self.vocab = int(c["intermediate_size"]), int(c["vocab_size"])
+        self.eps = float(c.get("rms_norm_eps", 1e-6))
+        self.theta = float(c.get("rope_theta", 10000.0))
+        self.rope_scaling = c.get("rope_scaling") or None
+        self.tied = bool(c.get("tie_word_embeddings", False))
+        self.qkv_bias = self.model_type == "qwen2" or bool(c.get("attention_bias", False))
+        if c.get("mlp_bias"):
+            raise ExportError("mlp_bias is not supported by the fused graph; export with --graph portable")
+        if c.get("hidden_act", "silu") != "silu":
+            raise ExportError(f"hidden_act {c.get('hidden_act')!r} is not supported by the fused graph (silu only); "
+                              "export with --graph portable")
+        max_pos = int(c.get("max_position_embeddings") or 2048)
+        self.capacity = int(capacity) if capacity else max_pos
+        if not 1 <= self.capacity <= max_pos:
+            raise ExportError(f"--max-context {capacity} is outside 1..{max_pos} (the model's max positions)")
+        window = c.get("sliding_window") if c.get("use_sliding_window", self.model_type == "mistral") else None
+        self.window = int(window) if window and int(window) < self.capacity else -1
+
+    def kv_layout(self) -> KVCacheLayout:
+        return KVCacheLayout(self.layers, self.kv_heads, self.head_dim, "float32", *PAST, capacity=self.capacity)
+
+
+def rotary_caches(spec: Spec) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [capacity, head_dim / 2] of rotate-half rotary embeddings, with Llama-3/linear scaling."""
+    d = spec.head_dim
+    inv_freq = 1.0 / spec.theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    pos = np.arange(spec.capacity, dtype=np.float64)
+    s = spec.rope_scaling
+    kind = (s or {}).get("rope_type", (s or {}).get("type", "default"))
+    if kind == "linear":
+        pos = pos / float(s["factor"])
+    elif kind == "llama3":
+        factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+        old = float(s["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old / wavelen - low) / (high - low)
+        scaled = np.where(wavelen > old / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old / low) & (wavelen >= old / high)
+        inv_freq = np.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif kind != "default":
+        raise ExportError(f"rope scaling {kind!r} is not supported by the fused graph (default, linear, llama3); "
+                          "export with --graph portable")
+    angles = np.outer(pos, inv_freq)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+class Builder:
+    """Collects nodes and initializers; each method adds one block and returns its output name."""
+
+    def __init__(self, spec: Spec, weights: dict[str, np.ndarray]):
+        from onnx import helper, numpy_helper
+
+        self.spec, self.w, self.helper, self.numpy_helper = spec, weights, helper, numpy_helper
+        self.nodes, self.inits = [], []
+
+    def weight(self, name: str, array: np.ndarray) -> str:
+        self.inits.append(self.numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def const(self, name: str, values, dtype=np.int64) -> str:
+        return self.weight(name, np.asarray(values, dtype))
+
+    def node(self, op: str, inputs: list[str], outputs: list[str] | str, domain: str = "", **attrs) -> str:
+        outs = [outputs] if isinstance(outputs, str) else outputs
+        self.nodes.append(self.helper.make_node(op, inputs, outs, name=f"{op}_{len(self.nodes)}", domain=domain,
+                                                **attrs))
+        return outs[0]
+
+    def take(self, name: str) -> np.ndarray:
+        if name not in self.w:
+            raise ExportError(f"the weights have no tensor {name!r}; is this a {self.spec.model_type} checkpoint?")
+        return self.w[name]
+
+    def linear(self, x: str, names: list[str], out: str, bias: bool = False) -> str:
+        """x @ W^T for one or several HF Linear weights [out, in] packed side by side."""
+        w = np.concatenate([self.take(f"{n}.weight") for n in names], axis=0).T
+        y = self.node("MatMul", [x, self.weight(f"{out}.weight", w)], f"{out}.mm" if bias else out)
+        if bias:
+            b = np.concatenate([self.take(f"{n}.bias") for n in names])
+            y = self.node("Add", [y, self.weight(f"{out}.bias", b)], out)
+        return y
+
+    def attention(self, i: int, x: str) -> str:
+        s, p = self.spec, f"model.layers.{i}.self_attn"
+        qkv = self.linear(x, [f"{p}.q_proj", f"{p}.k_proj", f"{p}.v_proj"], f"l{i}.qkv", bias=s.qkv_bias)
+        past_k, past_v, present_k, present_v = (n.format(i=i) for n in PAST)
+        out = self.node("GroupQueryAttention",
+                        [qkv, "", "", past_k, past_v, "seqlens_k", "total_sequence_length", "cos_cache", "sin_cache"],
+                        [f"l{i}.attn", present_k, present_v], domain=MS, num_heads=s.heads, kv_num_heads=s.kv_heads,
+                        scale=1.0 / math.sqrt(s.head_dim), do_rotary=1, rotary_interleaved=0,
+                        local_window_size=s.window)
+        return self.linear(out, [f"{p}.o_proj"], f"l{i}.o")
+
+    def mlp(self, i: int, x: str) -> str:
+        p = f"model.layers.{i}.mlp"
+        gate_up = self.linear(x, [f"{p}.gate_proj", f"{p}.up_proj"], f"l{i}.gate_up")
+        gate, up = f"l{i}.gate", f"l{i}.up"
+        self.node("Split", [gate_up, self.const(f"l{i}.split", [self.spec.intermediate] * 2)], [gate, up], axis=-1)
+        silu = self.node("Mul", [gate, self.node("Sigmoid", [gate], f"l{i}.sig")], f"l{i}.silu")
+        return self.linear(self.node("Mul", [silu, up], f"l{i}.act"), [f"{p}.down_proj"], f"l{i}.down")
+
+    def skip_norm(self, x: str, residual: str, weight: str, name: str) -> tuple[str, str]:
+        """(RMSNorm(x + residual), x + residual)."""
+        w = self.weight(f"{name}.weight", self.take(weight))
+        self.node("SkipSimplifiedLayerNormalization", [x, residual, w], [f"{name}.out", "", "", f"{name}.sum"],
+                  domain=MS, epsilon=self.spec.eps)
+        return f"{name}.out", f"{name}.sum"
+
+    def logits(self, hidden: str) -> str:
+        """Logits of the last ``num_logits`` rows only: [1, rows, vocab]."""
+        s = self.spec
+        rows = self.node("Slice", [hidden, self.node("Neg", ["num_logits"], "neg_rows"),
+                                   self.const("end", [np.iinfo(np.int64).max]), self.const("axis1", [1])], "rows")
+        flat = self.node("Reshape", [rows, self.const("flat", [-1, s.hidden])], "rows2d")
+        if s.tied:
+            out = self.node("Gemm", [flat, "embed.weight"], "logits2d", transB=1)
+        else:
+            out = self.node("MatMul", [flat, self.weight("lm_head.weight", self.take("lm_head.weight").T)], "logits2d")
+        return self.node("Unsqueeze", [out, self.const("axis0", [0])], "logits")
+
+    def build(self, with_hidden: bool):
+        s = self.spec
+        self.weight("embed.weight", self.take("model.embed_tokens.weight"))
+        cos, sin = rotary_caches(s)
+        self.weight("cos_cache", cos)
+        self.weight("sin_cache", sin)
+        x = self.node("Gather", ["embed.weight", "input_ids"], "embedded")
+        n = self.node("SimplifiedLayerNormalization",
+                      [x, self.weight("l0.in_norm.weight", self.take("model.layers.0.input_layernorm.weight"))],
+                      "l0.in_norm", axis=-1, epsilon=s.eps, stash_type=1)
+        residual = x
+        for i in range(s.layers):
+            n, residual = self.skip_norm(self.attention(i, n), residual,
+                                         f"model.layers.{i}.post_attention_layernorm.weight", f"l{i}.post_norm")
+            last = i + 1 == s.layers
+            n, residual = self.skip_norm(self.mlp(i, n), residual, "model.norm.weight" if last else
+                                         f"model.layers.{i + 1}.input_layernorm.weight",
+                                         "final_norm" if last else f"l{i + 1}.in_norm")
+        logits = self.logits(n)
+        if with_hidden:
+            self.node("Identity", [n], "hidden_states")
+        return self.model(logits, with_hidden)
+
+    def model(self, logits: str, with_hidden: bool):
+        from onnx import TensorProto
+
+        h, s = self.helper, self.spec
+        cache = [1, s.kv_heads, s.capacity, s.head_dim]
+        inputs = [h.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "sequence"]),
+                  h.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+                  h.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
+                  h.make_tensor_value_info("num_logits", TensorProto.INT64, [1])]
+        outputs = [h.make_tensor_value_info(logits, TensorProto.FLOAT, [1, "rows", s.vocab])]
+        for i in range(s.layers):
+            pk, pv, ck, cv = (n.format(i=i) for n in PAST)
+            inputs += [h.make_tensor_value_info(n, TensorProto.FLOAT, cache) for n in (pk, pv)]
+            outputs += [h.make_tensor_value_info(n, TensorProto.FLOAT, cache) for n in (ck, cv)]
+        if with_hidden:
+            outputs.append(h.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [1, "sequence", s.hidden]))
+        graph = h.make_graph(self.nodes, f"rlxrt_fused_{s.model_type}", inputs, outputs, self.inits)
+        return h.make_model(graph, opset_imports=[h.make_opsetid("", OPSET), h.make_opsetid(MS, 1)], ir_version=10,
+                            producer_name="rlxrt")
+
+
+def fused_layout(spec: Spec, with_hidden: bool) -> dict:
+    """The manifest fields of a fused graph."""
+    return {"dtype": "float32", "inputs": dict(INPUTS), "kv_cache": spec.kv_layout(), "state": None,
+            "outputs": {"logits": "logits", "hidden_states": "hidden_states" if with_hidden else None},
+            "max_positions": spec.capacity, "graph_kind": "fused"}
+
+
+def build_graph(config: dict, weights: dict[str, np.ndarray], path: Path, *, capacity: int | None = None,
+                with_hidden: bool = False) -> Spec:
+    """Write the fused graph of ``config``/``weights`` to ``path`` (weights in ``path.name + '.data'``)."""
+    import onnx
+
+    spec = Spec(config, capacity)
+    model = Builder(spec, weights).build(with_hidden)
+    onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+              location=path.name + ".data", size_threshold=1024)
+    return spec

@@ -1,0 +1,159 @@
+"""The fused graph (exporters/fused.py) driven by its IOBinding model (sessions/fused.py): against PyTorch,
+against the portable graph, under speculation, at its capacity, and exported without torch."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import rlxrt
+from rlxrt import Config, ExportError, GenerationError, Manifest, compile
+from rlxrt.sampling import SamplingParams
+from rlxrt.sessions import DraftModel, PromptLookup, Session, decoder_for
+from rlxrt.sessions.fused import FusedKVModel
+
+from lossless import assert_first_two_tokens_follow, two_token_marginals
+
+pytestmark = pytest.mark.export
+CFG = Config(intra_op_threads=1, cache=False)
+PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
+FAMILIES = ["llama", "qwen2", "mistral"]
+
+
+def torch_logits(exported, family, ids, seed=0):
+    import torch
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(str(exported.source(family, seed=seed))).eval()
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+    return out.logits[0].numpy(), out.hidden_states[-1][0].numpy()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_graph_matches_pytorch_through_rollbacks(exported, family):
+    out = exported(family, with_hidden=True)
+    m = Manifest.load(out)
+    assert m.graph_kind == "fused" and m.kv_cache.capacity == m.max_positions and m.validation["passed"]
+    assert m.inputs["attention_mask"] is None and m.inputs["position_ids"] is None
+    model = decoder_for(compile(out, CFG))
+    assert isinstance(model, FusedKVModel)
+    model.fetch_hidden()
+    rng = np.random.default_rng(1)
+    ids = rng.integers(3, m.vocab_size, 24).tolist()
+    ref, ref_hidden = torch_logits(exported, family, ids)
+    got = model.forward(ids[:10])  # prefill, every row
+    np.testing.assert_allclose(got, ref[:10], atol=1e-4)
+    np.testing.assert_allclose(model.hidden, ref_hidden[:10], atol=1e-4)
+    model.forward(rng.integers(3, m.vocab_size, 5))  # 5 drafted tokens, all rejected ...
+    model.commit(10)  # ... rollback is moving the length
+    last = model.forward(ids[10:15], rows=2)  # a verify pass: only the rows asked for
+    assert last.shape == (2, m.vocab_size)
+    np.testing.assert_allclose(last, ref[13:15], atol=1e-4)
+    model.commit(12)  # keep two of them
+    np.testing.assert_allclose(model.forward(ids[12:24]), ref[12:24], atol=1e-4)
+    np.testing.assert_allclose(model.hidden, ref_hidden[12:24], atol=1e-4)
+
+
+def test_fused_graph_is_small(exported):
+    import onnx
+
+    out = exported("llama")
+    proto = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    ops = [n.op_type for n in proto.graph.node]
+    layers = Manifest.load(out).kv_cache.layers
+    assert ops.count("GroupQueryAttention") == layers and ops.count("SkipSimplifiedLayerNormalization") == 2 * layers
+    assert len(ops) <= 13 * layers + 12
+    portable = onnx.load(str(exported("llama", graph="portable") / "model.onnx"), load_external_data=False)
+    assert len(ops) * 4 < len(portable.graph.node)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_and_portable_graphs_generate_the_same(exported, family):
+    fused = Session(exported(family), None, CFG).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+    portable = Session(exported(family, graph="portable"), None, CFG).generate(PROMPT, max_new_tokens=40,
+                                                                               ignore_eos=True)
+    assert fused.token_ids == portable.token_ids
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("draft", ["fused self", "fused other", "portable other", "lookup"])
+def test_greedy_speculation_on_fused_graphs_is_exact(exported, k, draft):
+    plain = Session(exported("mistral"), None, CFG).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+    spec = {"fused self": lambda: DraftModel(exported("mistral"), CFG),
+            "fused other": lambda: DraftModel(exported("mistral", seed=1), CFG),
+            "portable other": lambda: DraftModel(exported("mistral", seed=1, graph="portable"), CFG),
+            "lookup": PromptLookup}[draft]()
+    g = Session(exported("mistral"), spec, CFG, k=k).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+    assert g.token_ids == plain.token_ids
+    if draft == "fused self":
+        assert g.stats.acceptance_rate == 1.0
+    if draft.endswith("other"):
+        assert g.stats.rounds > 40 // (k + 1)  # rejections happened: rollbacks were exercised
+
+
+def test_sampled_output_over_a_fused_pair_has_the_targets_distribution(exported):
+    target, draft = exported("qwen2"), exported("qwen2", seed=1)
+    prompt = [5, 17, 42, 9]
+    p1, p2 = two_token_marginals(decoder_for(compile(target, CFG)), prompt, SamplingParams(temperature=1.0))
+    session = Session(target, DraftModel(draft, CFG), CFG, k=2)
+    assert_first_two_tokens_follow(session, prompt, p1, p2, draws=3000)
+
+
+def test_a_request_up_to_the_capacity_and_a_clear_error_past_it(exported, tmp_path):
+    out = tmp_path / "small"
+    rlxrt.export(exported.source("llama"), out, max_context=48)
+    m = Manifest.load(out)
+    assert m.kv_cache.capacity == 48 and m.max_positions == 48
+    s = Session(out, DraftModel(out, CFG), CFG, k=4)
+    prompt = list(range(3, 33))
+    g = s.generate(prompt, max_new_tokens=100, ignore_eos=True)
+    assert g.finish_reason == "length" and len(prompt) + len(g.token_ids) == 48
+    plain = Session(out, None, CFG).generate(prompt, max_new_tokens=100, ignore_eos=True)
+    assert plain.token_ids == g.token_ids
+    with pytest.raises(GenerationError, match="48"):
+        s.generate(list(range(3, 51)), max_new_tokens=1)
+    model = decoder_for(compile(out, CFG))
+    model.forward(list(range(3, 43)))
+    with pytest.raises(GenerationError, match="KV capacity"):
+        model.forward(list(range(3, 12)))
+    assert s.generate(prompt, max_new_tokens=100, ignore_eos=True).token_ids == g.token_ids
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"graph": "fused", "family": "gpt2"}, "covers llama"),
+    ({"graph": "fused", "family": "llama", "hidden": 32}, "multiple of 16"),
+    ({"graph": "fused", "family": "llama", "dtype": "fp16"}, "fp32 for now"),
+    ({"graph": "portable", "family": "llama", "max_context": 64}, "--max-context"),
+    ({"family": "llama", "max_context": 10 ** 6}, "outside 1..256"),
+    ({"graph": "tiny", "family": "llama"}, "not a graph kind"),
+])
+def test_bad_fused_exports(exported, tmp_path, kwargs, words):
+    family = kwargs.pop("family")
+    hidden = kwargs.pop("hidden", 64)
+    with pytest.raises(ExportError, match=words):
+        rlxrt.export(exported.source(family, hidden=hidden), tmp_path / "out", **kwargs)
+    assert not (tmp_path / "out").exists()
+
+
+def test_fused_export_needs_no_torch(exported, tmp_path):
+    """torch blocked in a fresh interpreter: the fused export works, says it was not validated, and runs."""
+    src, out = exported.source("llama"), tmp_path / "out"
+    code = ("import sys, json; sys.modules['torch'] = None\n"
+            "import rlxrt\n"
+            "r = rlxrt.export(sys.argv[1], sys.argv[2])\n"
+            "from rlxrt.sessions import Session\n"
+            "g = Session(sys.argv[2], None, rlxrt.Config(intra_op_threads=1, cache=False)).generate([5, 6, 7], "
+            "max_new_tokens=8, ignore_eos=True)\n"
+            "print(json.dumps({'v': r.manifest.validation, 'ids': g.token_ids, 'torch': 'torch' in sys.modules "
+            "and sys.modules['torch'] is not None}))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLXRT_")}
+    r = subprocess.run([sys.executable, "-c", code, str(src), str(out)], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["v"] == {"skipped": True, "reason": "torch/transformers not installed"} and not res["torch"]
+    want = Session(exported("llama"), None, CFG).generate([5, 6, 7], max_new_tokens=8, ignore_eos=True)
+    assert res["ids"] == want.token_ids
