@@ -11,6 +11,7 @@ import numpy as np
 
 from rlxrt.backends import CompiledGraph
 from rlxrt.errors import GenerationError, ModelFormatError
+from rlxrt.limits import K_MAX
 
 from .kv import GraphModel
 
@@ -37,16 +38,32 @@ class FusedKVModel(GraphModel):
                 self._binding.bind_ortvalue_input(past, buf)
                 self._binding.bind_ortvalue_output(present, buf)
                 self._buffers.append(buf)
-        self._seqlens = np.zeros(1, np.int32)
-        self._total = np.zeros((), np.int32)
-        self._rows = np.zeros(1, np.int64)
-        self._names = {role: m.inputs[role] for role in ("input_ids", "seqlens_k", "total_sequence_length",
-                                                          "num_logits")}
-        self._logits = m.outputs["logits"]
+        # the per-call numbers live in arrays bound once and written in place; the ids and logits buffers
+        # are made once per call length, so a decode step allocates nothing
+        self._seqlens, self._total, self._rows = np.zeros(1, np.int32), np.zeros((), np.int32), np.zeros(1, np.int64)
+        for role, arr in (("seqlens_k", self._seqlens), ("total_sequence_length", self._total),
+                          ("num_logits", self._rows)):
+            self._buffers.append(ort.OrtValue.ortvalue_from_numpy(arr))
+            self._binding.bind_ortvalue_input(m.inputs[role], self._buffers[-1])
+        self._ids_name, self._logits = m.inputs["input_ids"], m.outputs["logits"]
+        self._ids: dict[int, tuple[np.ndarray, object]] = {}
+        self._out: dict[int, tuple[np.ndarray, object]] = {}
+        self._ort, self._vocab = ort, m.vocab_size
         self._hidden_name: str | None = None
         self._run_binding = graph.session.run_with_iobinding
         self.output_names = [self._logits]
         self.reset()
+
+    def _buffer(self, cache: dict, n: int, shape: tuple, dtype) -> tuple[np.ndarray, object]:
+        """A host array and the OrtValue over its memory: made once per length ``n`` up to a round's
+        (K_MAX + 1), afresh for longer calls (prompts), so the cache stays small."""
+        if n in cache:
+            return cache[n]
+        arr = np.zeros(shape, dtype)
+        made = (arr, self._ort.OrtValue.ortvalue_from_numpy(arr))
+        if n <= K_MAX + 1:
+            cache[n] = made
+        return made
 
     def reset(self) -> None:
         self.length = 0
@@ -59,31 +76,29 @@ class FusedKVModel(GraphModel):
 
     def forward(self, tokens, rows: int | None = None) -> np.ndarray:
         """Feed ``tokens`` after the first ``length`` positions; returns the logits of the last ``rows``
-        of them (default: all) as [rows, V]."""
-        ids = np.asarray(tokens, dtype=np.int64).reshape(1, -1)
-        s = ids.shape[1]
+        of them (default: all) as [rows, V]. The array is this model's buffer: valid until its next call."""
+        s = len(tokens)
         end = self.length + s
         if end > self.max_positions:
             raise GenerationError(f"sequence of {end} tokens exceeds the model's KV capacity ({self.max_positions}); "
                                   "shorten the request, or re-export with a larger --max-context")
         n = s if rows is None else min(rows, s)
+        ids, ids_value = self._buffer(self._ids, s, (1, s), np.int64)
+        ids[0] = tokens
+        logits, logits_value = self._buffer(self._out, n, (1, n, self._vocab), np.float32)
         self._seqlens[0] = end - 1
         self._total[()] = end
         self._rows[0] = n
         b = self._binding
-        b.bind_cpu_input(self._names["input_ids"], ids)
-        b.bind_cpu_input(self._names["seqlens_k"], self._seqlens)
-        b.bind_cpu_input(self._names["total_sequence_length"], self._total)
-        b.bind_cpu_input(self._names["num_logits"], self._rows)
-        b.bind_output(self._logits)
+        b.bind_ortvalue_input(self._ids_name, ids_value)
+        b.bind_ortvalue_output(self._logits, logits_value)
         if self._hidden_name:
             b.bind_output(self._hidden_name)
         self._timed(self._run_binding, b)
-        outs = b.get_outputs()
         self.length = end
         if self._hidden_name:
-            self.hidden = outs[-1].numpy()[0]
-        return outs[len(self._buffers)].numpy()[0]
+            self.hidden = b.get_outputs()[-1].numpy()[0]
+        return logits[0]
 
     def commit(self, length: int) -> None:
         """Keep only the first ``length`` positions: the next call writes over the rest."""

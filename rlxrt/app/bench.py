@@ -79,8 +79,10 @@ def step_times(target, draft, ks: list[int], context: int, repeats: int = 60) ->
 def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, max_new_tokens: int = 128,
               repeats: int = 3, temperatures=(0.0, 0.7), ks=(2, 4, 6), config=None,
               hf_dirs: tuple[Path, Path] | None = None, progress: bool = True,
-              head_dir: Path | None = None) -> dict[str, Any]:
-    """``config`` (an ``rlxrt.Config``; default: 1 intra-op thread on the CPU) is used for every graph."""
+              head_dir: Path | None = None, oga_dirs: tuple[Path, Path | None] | None = None) -> dict[str, Any]:
+    """``config`` (an ``rlxrt.Config``; default: 1 intra-op thread on the CPU) is used for every graph.
+    ``hf_dirs`` adds transformers on the same weights, ``oga_dirs`` (target, draft) onnxruntime-genai's model
+    directories of the same weights (greedy rows only: plain, draft, n-gram)."""
     from rlxrt.backends import compile
     from rlxrt.config import Config
     from rlxrt.limits import K_MAX
@@ -101,13 +103,21 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
     specs.append(Spec("prompt lookup k=4", lambda: PromptLookup(), k=4))
     sessions = {s.name: Session(target_graph, s.make(), k=s.k, adaptive_k=s.adaptive, k_max=min(max(ks) + 2, K_MAX))
                 for s in specs}
-    hf = None
+    peers = {}  # row name -> the peer that runs it
     if hf_dirs is not None:
         from rlxrt.exporters.peers import HFPeers
 
         hf = HFPeers(hf_dirs[0], hf_dirs[1], threads=threads or 1)
-    names = list(sessions) + (hf.names if hf else [])
-    total = len(temperatures) * repeats * len(prompts) * len(names)
+        peers.update({n: hf for n in hf.names})
+    oga_names: list[str] = []
+    if oga_dirs is not None:
+        from .oga import OgaPeers
+
+        oga = OgaPeers(oga_dirs[0], oga_dirs[1], threads=threads or 1)
+        oga_names = oga.names
+        peers.update({n: oga for n in oga.names})
+    names = list(sessions) + list(peers)
+    total = sum(len([n for n in names if t == 0 or n not in oga_names]) for t in temperatures) * repeats * len(prompts)
     bar = Progress(total, progress)
     # directory names only: results are shared, and carry no path of the machine that made them
     results: dict[str, Any] = {"config": {"target": Path(target_dir).name,
@@ -120,11 +130,17 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
     prompt_lens: list[int] = []
     for s in sessions.values():  # warm-up: first runs allocate
         s.generate(prompts[0], max_new_tokens=8, ignore_eos=True)
+    if oga_names:  # the peer decodes the same weights: its greedy output must be rlxrt's
+        want = [sessions["plain"].generate(p, max_new_tokens=max_new_tokens, ignore_eos=True).token_ids
+                for p in prompts]
+        results["oga_greedy_equals_rlxrt"] = {n: all(oga.generate(n, p, max_new_tokens)[1] == w
+                                                     for p, w in zip(prompts, want)) for n in oga_names}
     for temp in temperatures:
-        times: dict[str, list[list[float]]] = {n: [[] for _ in prompts] for n in names}
-        stats: dict[str, list] = {n: [] for n in names}
+        names_t = [n for n in names if temp == 0 or n not in oga_names]  # the peer rows are greedy only
+        times: dict[str, list[list[float]]] = {n: [[] for _ in prompts] for n in names_t}
+        stats: dict[str, list] = {n: [] for n in names_t}
         for rep in range(repeats):
-            order = names[rep % len(names):] + names[:rep % len(names)]
+            order = names_t[rep % len(names_t):] + names_t[:rep % len(names_t)]
             for pi, prompt in enumerate(prompts):
                 for name in order:
                     if name in sessions:
@@ -136,10 +152,10 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
                         stats[name].append(g.stats)
                         prompt_lens.append(len(g.prompt_token_ids))
                     else:
-                        dt, n_tok = hf.run(name, prompt, max_new_tokens, temp, seed=rep * 1000 + pi)
+                        dt, n_tok = peers[name].run(name, prompt, max_new_tokens, temp, seed=rep * 1000 + pi)
                         times[name][pi].append(dt / max(1, n_tok))
                     bar.step(f"T={temp} {name}")
-        results["temperatures"][str(temp)] = _summarise(names, times, stats)
+        results["temperatures"][str(temp)] = _summarise(names_t, times, stats)
     draft_model = sessions[specs[1].name].speculator.model if draft_graph is not None else None
     # step times at the middle of a typical request's context
     mid = statistics.median(prompt_lens) + max_new_tokens // 2 if prompt_lens else 256
@@ -198,6 +214,9 @@ def format_table(results: dict[str, Any]) -> str:
                 f"{r.get('acceptance_rate', float('nan')):>7.2f} {r.get('tokens_per_round', float('nan')):>8.2f} "
                 f"{r.get('analytic_bound', float('nan')):>6.2f} {r.get('efficiency', float('nan')):>5.2f}  "
                 + (f"{split['draft']:.2f}/{split['target']:.2f}/{split['other']:.2f}" if split else "-"))
+    if "oga_greedy_equals_rlxrt" in results:
+        lines.append("onnxruntime-genai greedy output == rlxrt's: " + ", ".join(
+            f"{n} {'yes' if ok else 'NO'}" for n, ok in results["oga_greedy_equals_rlxrt"].items()))
     st = results.get("step_times_s", {})
     if st:
         parts = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in st.items())

@@ -18,10 +18,11 @@ def bench_chart(results: dict[str, Any], path: Path) -> Path:
     colours = ["#2b6cb0", "#dd6b20", "#38a169", "#805ad5"]
     for ti, temp in enumerate(temps):
         rows = results["temperatures"][temp]
-        xs = [i + (ti - (len(temps) - 1) / 2) * width for i in range(len(names))]
-        vals = [rows[n]["speedup"] for n in names]
+        shown = [i for i, n in enumerate(names) if n in rows]  # peers that run greedy only have no other rows
+        xs = [i + (ti - (len(temps) - 1) / 2) * width for i in shown]
+        vals = [rows[names[i]]["speedup"] for i in shown]
         bars = ax.bar(xs, vals, width, label=f"temperature {temp}", color=colours[ti % len(colours)])
-        for b, n in zip(bars, names):
+        for b, n in zip(bars, [names[i] for i in shown]):
             acc = rows[n].get("acceptance_rate")
             label = f"{rows[n]['speedup']:.2f}x" + (f"\nα={acc:.2f}" if acc else "")
             ax.annotate(label, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",

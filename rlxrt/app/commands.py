@@ -219,6 +219,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError("pass both --hf-target and --hf-draft, or neither")
     if args.no_hf and args.hf_target:
         raise UsageError("--no-hf and --hf-target/--hf-draft exclude each other")
+    if args.oga_draft and not args.oga_target:
+        raise UsageError("--oga-draft needs --oga-target (onnxruntime-genai's directory of the target)")
     temps = _numbers(args.temperatures, "--temperatures", float, 0.0, 100.0)
     ks = _numbers(args.ks, "--ks", int, 1, K_MAX)
     config = _config(args, intra_op_threads=1)
@@ -241,8 +243,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             except ImportError:
                 print("rlxrt: torch/transformers not installed; skipping the Hugging Face peers", file=sys.stderr)
     head = None if args.no_head else Path(args.head) if args.head else None if args.target else reference_head()
+    oga = (Path(args.oga_target), Path(args.oga_draft) if args.oga_draft else None) if args.oga_target else None
     res = run_bench(target, draft, prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                    temperatures=temps, ks=ks, config=config, hf_dirs=hf, progress=not args.quiet, head_dir=head)
+                    temperatures=temps, ks=ks, config=config, hf_dirs=hf, progress=not args.quiet, head_dir=head,
+                    oga_dirs=oga)
     js, png = write_outputs(res, Path(args.out))
     print(format_table(res))
     print(f"wrote {js}" + (f" and {png}" if png else " (no PNG: matplotlib is not installed)"))
@@ -313,6 +317,9 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("--hf-target", help="Hugging Face weights of the target, for the transformers peers")
     p.add_argument("--hf-draft", help="Hugging Face weights of the draft")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
+    p.add_argument("--oga-target", help="onnxruntime-genai's model directory of the same target weights "
+                                        "(scripts/build_oga.sh): adds its plain and n-gram rows, greedy")
+    p.add_argument("--oga-draft", help="onnxruntime-genai's directory of the draft: adds its draft-model row")
     p.add_argument("--head", help="MTP head for the target (default: the shipped head with the shipped pair)")
     p.add_argument("--no-head", action="store_true", help="skip the MTP head rows")
     p.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png")
