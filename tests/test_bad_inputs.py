@@ -291,7 +291,7 @@ CLI = [
     (["bench", "--max-new-tokens", "-1"], USAGE, ["--max-new-tokens", ">= 1"]),
     (["bench", "--head", str(HEAD), "--no-head"], USAGE, ["--head and --no-head"]),
     (["bench", "--hf-target", "{f}"], USAGE, ["--hf-target and --hf-draft"]),
-    (["bench", "--target", T], USAGE, ["both --target and --draft"]),
+    (["bench", "--draft", D], USAGE, ["--target (and --draft", "or neither"]),
     (["bench", "--prompt-file", "{f}/bad.json"], USAGE, ["bad.json", "not valid JSON"]),
     (["bench", "--prompt-file", "{f}/object.json"], USAGE, ["object.json", "JSON list"]),
     (["bench", "--prompt-file", "{f}/numbers.json"], USAGE, ["entry 0", "non-empty string"]),

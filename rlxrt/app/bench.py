@@ -113,7 +113,9 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
     if oga_dirs is not None:
         from .oga import OgaPeers
 
-        oga = OgaPeers(oga_dirs[0], oga_dirs[1], threads=threads or 1)
+        plain_codec = sessions["plain"].codec
+        oga = OgaPeers(oga_dirs[0], oga_dirs[1], threads=threads or 1,
+                       encode=plain_codec.encode if plain_codec is not None else None)
         oga_names = oga.names
         peers.update({n: oga for n in oga.names})
     names = list(sessions) + list(peers)

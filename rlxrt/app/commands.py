@@ -133,15 +133,18 @@ def _head(head: str | None, target: str | None):
                      "shipped reference target comes with one")
 
 
-def _pair(args: argparse.Namespace):
+def _pair(args: argparse.Namespace, draft_optional: bool = False):
+    """(target, draft) from --target/--draft, else the shipped reference pair; ``draft_optional``: a target
+    alone is fine (draft None)."""
     from pathlib import Path
 
     from .reference import reference_pair
 
-    if args.target and args.draft:
-        return Path(args.target), Path(args.draft)
+    if args.target and (args.draft or draft_optional):
+        return Path(args.target), Path(args.draft) if args.draft else None
     if args.target or args.draft:
-        raise UsageError("pass both --target and --draft, or neither (to use the shipped reference pair)")
+        need = "--target (and --draft if you have one)" if draft_optional else "both --target and --draft"
+        raise UsageError(f"pass {need}, or neither (to use the shipped reference pair)")
     return reference_pair()
 
 
@@ -224,7 +227,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     temps = _numbers(args.temperatures, "--temperatures", float, 0.0, 100.0)
     ks = _numbers(args.ks, "--ks", int, 1, K_MAX)
     config = _config(args, intra_op_threads=1)
-    target, draft = _pair(args)
+    target, draft = _pair(args, draft_optional=True)
     prompts = _prompts(args, args.prompts)
     hf = None
     if not args.no_hf:

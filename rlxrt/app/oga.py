@@ -38,7 +38,9 @@ def _decoder(model_dir: Path, config_dir: Path, role: str, threads: int) -> dict
 class OgaPeers:
     """``names`` and ``run(name, prompt, max_new_tokens, temperature, seed) -> (seconds, tokens)``."""
 
-    def __init__(self, target_dir: Path, draft_dir: Path | None, threads: int = 1, k: int = 4):
+    def __init__(self, target_dir: Path, draft_dir: Path | None, threads: int = 1, k: int = 4, encode=None):
+        """``encode(text) -> ids``: rlxrt's tokenizer, so both engines get the same prompt ids (the peer's own
+        tokenizer may read a tokenizer.json differently)."""
         try:
             import onnxruntime_genai as og
         except ImportError:
@@ -69,7 +71,7 @@ class OgaPeers:
                 if (Path(target_dir) / f).is_file():
                     (d / f).write_bytes((Path(target_dir) / f).read_bytes())
             self.models[name] = og.Model(str(d))
-        self.tokenizer = og.Tokenizer(self.models["oga plain"])
+        self.encode = encode or og.Tokenizer(self.models["oga plain"]).encode
 
     def run(self, name: str, prompt: str, max_new_tokens: int, temperature: float, seed: int) -> tuple[float, int]:
         seconds, ids = self.generate(name, prompt, max_new_tokens)
@@ -79,7 +81,7 @@ class OgaPeers:
         """(seconds, generated ids) of one greedy request of exactly ``max_new_tokens`` (EOS ignored, as in
         rlxrt's bench)."""
         og, model = self.og, self.models[name]
-        ids = self.tokenizer.encode(prompt)
+        ids = list(self.encode(prompt))
         params = og.GeneratorParams(model)
         total = len(ids) + max_new_tokens
         params.set_search_options(max_length=total, min_length=total, do_sample=False)

