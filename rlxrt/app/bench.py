@@ -79,10 +79,12 @@ def step_times(target, draft, ks: list[int], context: int, repeats: int = 60) ->
 def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, max_new_tokens: int = 128,
               repeats: int = 3, temperatures=(0.0, 0.7), ks=(2, 4, 6), config=None,
               hf_dirs: tuple[Path, Path] | None = None, progress: bool = True,
-              head_dir: Path | None = None, oga_dirs: tuple[Path, Path | None] | None = None) -> dict[str, Any]:
+              head_dir: Path | None = None, oga_dirs: tuple[Path, Path | None] | None = None,
+              other_target: Path | None = None) -> dict[str, Any]:
     """``config`` (an ``rlxrt.Config``; default: 1 intra-op thread on the CPU) is used for every graph.
     ``hf_dirs`` adds transformers on the same weights, ``oga_dirs`` (target, draft) onnxruntime-genai's model
-    directories of the same weights (greedy rows only: plain, draft, n-gram)."""
+    directories of the same weights (greedy rows only: plain, draft, n-gram); ``other_target`` another export
+    of the target (e.g. the portable graph of the same weights) whose plain decoding runs as one more row."""
     from rlxrt.backends import compile
     from rlxrt.config import Config
     from rlxrt.limits import K_MAX
@@ -103,6 +105,9 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
     specs.append(Spec("prompt lookup k=4", lambda: PromptLookup(), k=4))
     sessions = {s.name: Session(target_graph, s.make(), k=s.k, adaptive_k=s.adaptive, k_max=min(max(ks) + 2, K_MAX))
                 for s in specs}
+    if other_target is not None:
+        other = Session(compile(other_target, config))
+        sessions[f"{other.manifest.graph_kind} plain"] = other
     peers = {}  # row name -> the peer that runs it
     if hf_dirs is not None:
         from rlxrt.exporters.peers import HFPeers

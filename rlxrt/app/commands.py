@@ -249,7 +249,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     oga = (Path(args.oga_target), Path(args.oga_draft) if args.oga_draft else None) if args.oga_target else None
     res = run_bench(target, draft, prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                     temperatures=temps, ks=ks, config=config, hf_dirs=hf, progress=not args.quiet, head_dir=head,
-                    oga_dirs=oga)
+                    oga_dirs=oga, other_target=Path(args.other_target) if args.other_target else None)
     js, png = write_outputs(res, Path(args.out))
     print(format_table(res))
     print(f"wrote {js}" + (f" and {png}" if png else " (no PNG: matplotlib is not installed)"))
@@ -323,6 +323,8 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("--oga-target", help="onnxruntime-genai's model directory of the same target weights "
                                         "(scripts/build_oga.sh): adds its plain and n-gram rows, greedy")
     p.add_argument("--oga-draft", help="onnxruntime-genai's directory of the draft: adds its draft-model row")
+    p.add_argument("--other-target", help="another export of the same target (e.g. --graph portable): adds its "
+                                          "plain row, measured in the same loop")
     p.add_argument("--head", help="MTP head for the target (default: the shipped head with the shipped pair)")
     p.add_argument("--no-head", action="store_true", help="skip the MTP head rows")
     p.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png")
