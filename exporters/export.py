@@ -140,7 +140,7 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
         if kind == "fused":
             weights = steps.run("read", read_weights, src_dir)
             spec = steps.run("build", build_graph, config, weights, final / GRAPH, capacity=max_context,
-                             with_hidden=with_hidden_states)
+                             with_hidden=with_hidden_states, quantize="int4" if variant == "int4" else None)
             del weights
             layout, task, family = fused_layout(spec, with_hidden_states), FUSED_TASK, FAMILIES["attention"]
             stack = _torch_stack() if validate_export else None
@@ -178,10 +178,12 @@ def _graph_kind(graph: str | None, config: dict, variant: str, max_context: int 
     why_not = fused_unsupported(config)
     if graph == "fused" and why_not:
         raise ExportError(f"{why_not}; export with --graph portable")
-    if graph == "fused" and variant != "float32":
-        raise ExportError(f"the fused graph is fp32 for now (asked for {variant}); drop --dtype/--quantize or "
-                          "pass --graph portable")
-    kind = graph or ("fused" if not why_not and variant == "float32" else "portable")
+    if variant == "int4" and (graph == "portable" or why_not):
+        raise ExportError(f"int4 (MatMulNBits) is built into the fused graph only; {why_not or 'drop --graph portable'}")
+    if graph == "fused" and variant not in ("float32", "int4"):
+        raise ExportError(f"the fused graph is fp32 or int4 for now (asked for {variant}); drop --dtype/--quantize "
+                          "or pass --graph portable")
+    kind = graph or ("fused" if not why_not and variant in ("float32", "int4") else "portable")
     if max_context is not None and kind != "fused":
         raise ExportError("--max-context sets the KV buffer of a fused graph; a portable graph has none "
                           "(drop it, or pass --graph fused)")
@@ -202,11 +204,11 @@ def _variant(dtype: str, quantize: str | None) -> str:
     """The weights' form: float32, float16 or int8; ExportError for a combination rlxrt does not make."""
     if dtype not in DTYPES:
         raise ExportError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
-    if quantize not in (None, "int8"):
-        raise ExportError(f"quantize {quantize!r} is not supported; use int8 or leave it out")
+    if quantize not in (None, "int8", "int4"):
+        raise ExportError(f"quantize {quantize!r} is not supported; use int8, int4 or leave it out")
     if quantize and dtype != "fp32":
-        raise ExportError("int8 quantisation starts from fp32 weights; drop dtype=fp16 or quantize=int8")
-    return "int8" if quantize else DTYPES[dtype]
+        raise ExportError(f"{quantize} quantisation starts from fp32 weights; drop dtype=fp16 or quantize={quantize}")
+    return quantize or DTYPES[dtype]
 
 
 def assemble_manifest(config: dict, task: str, layout: dict, src, src_dir: Path, tokenizer: str | None) -> Manifest:

@@ -13,7 +13,7 @@ import numpy as np
 from rlxrt.manifest import Manifest
 
 # Max abs logit difference allowed, relative to max(1, max |reference logit|).
-TOLERANCE = {"float32": 1e-3, "float16": 3e-2, "int8": 0.3}
+TOLERANCE = {"float32": 1e-3, "float16": 3e-2, "int8": 0.3, "int4": 0.5}
 
 
 def reference_logits(torch, model, vocab_size: int, prompt_len: int = 8, step_len: int = 4, seed: int = 0):

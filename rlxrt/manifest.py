@@ -87,7 +87,7 @@ class Manifest:
     graph: str
     """File name of the ONNX graph inside the directory."""
     dtype: str
-    """Weights variant: float32, float16 or int8 (dynamic quantisation)."""
+    """Weights variant: float32, float16, int8 (dynamic quantisation) or int4 (fused graphs, see quantization)."""
     inputs: dict[str, str | None]
     """Role -> graph input name: input_ids, attention_mask, position_ids (None when the graph has no such input)."""
     outputs: dict[str, str | None]
@@ -108,6 +108,9 @@ class Manifest:
     """Result of validating ORT against PyTorch (max abs diff, argmax agreement, tolerance)."""
     state: StateLayout | None = None
     """Recurrent state tensors, or None for a pure attention model."""
+    quantization: dict[str, Any] | None = None
+    """How the weights were quantised (method, bits, block size, accuracy level), or None. Exactness is then
+    relative to the quantised graph: speculative output equals its plain output."""
     graph_kind: str = "portable"
     """``portable`` (optimum's graph: past in, a longer present out, all logits rows) or ``fused`` (rlxrt's
     own graph: GroupQueryAttention over a shared KV buffer, logits for the last ``num_logits`` rows)."""

@@ -122,7 +122,7 @@ def parse(cls, data: Any, where: str):
                                "re-export the model with this version of rlxrt")
     known = {"architecture", "model_type", "vocab_size", "max_positions", "graph", "dtype", "inputs", "outputs",
              "kv_cache", "bos_token_id", "eos_token_ids", "pad_token_id", "tokenizer", "source", "versions",
-             "validation", "state", "draft_head", "graph_kind", "schema"}
+             "validation", "state", "draft_head", "graph_kind", "quantization", "schema"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ModelFormatError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))} for schema {SCHEMA} "
@@ -189,4 +189,5 @@ def parse(cls, data: Any, where: str):
         tokenizer=f.text("tokenizer", required=False, file_name=True),
         source=_source(f), versions=f.table("versions", required=False) or {},
         validation=f.table("validation", required=False) or {}, state=state, draft_head=head, graph_kind=kind,
+        quantization=f.table("quantization", required=False),
         schema=schema)

@@ -125,7 +125,7 @@ def test_a_request_up_to_the_capacity_and_a_clear_error_past_it(exported, tmp_pa
 @pytest.mark.parametrize("kwargs, words", [
     ({"graph": "fused", "family": "gpt2"}, "covers llama"),
     ({"graph": "fused", "family": "llama", "hidden": 32}, "multiple of 16"),
-    ({"graph": "fused", "family": "llama", "dtype": "fp16"}, "fp32 for now"),
+    ({"graph": "fused", "family": "llama", "dtype": "fp16"}, "fp32 or int4 for now"),
     ({"graph": "portable", "family": "llama", "max_context": 64}, "--max-context"),
     ({"family": "llama", "max_context": 10 ** 6}, "outside 1..256"),
     ({"graph": "tiny", "family": "llama"}, "not a graph kind"),
@@ -157,3 +157,32 @@ def test_fused_export_needs_no_torch(exported, tmp_path):
     assert res["v"] == {"skipped": True, "reason": "torch/transformers not installed"} and not res["torch"]
     want = Session(exported("llama"), None, CFG).generate([5, 6, 7], max_new_tokens=8, ignore_eos=True)
     assert res["ids"] == want.token_ids
+
+
+def test_int4_loads_stays_close_and_speculates_exactly(exported, tmp_path):
+    """--quantize int4 (MatMulNBits): recorded in the manifest, close to the fp32 graph on a realistically
+    initialised model, and speculation is exact relative to the quantised graph."""
+    src = exported.source("llama", seed=4, init=0.02)
+    fp32, q4 = tmp_path / "fp32", tmp_path / "q4"
+    rlxrt.export(src, fp32)
+    res = rlxrt.export(src, q4, quantize="int4")
+    m = res.manifest
+    assert m.dtype == "int4" and m.graph_kind == "fused" and m.validation["passed"]
+    assert m.quantization["method"] == "MatMulNBits" and m.quantization["accuracy_level"] == 0  # exact
+    size = lambda d: sum(f.stat().st_size for f in d.iterdir())  # noqa: E731
+    assert size(q4) < size(fp32)
+    ids = list(range(3, 40))
+    a = decoder_for(compile(fp32, CFG)).forward(ids)
+    b = decoder_for(compile(q4, CFG)).forward(ids)
+    assert np.abs(a - b).max() < 0.1 * max(1.0, np.abs(a).max())
+    assert (a.argmax(-1) == b.argmax(-1)).mean() > 0.7
+    plain = Session(q4, None, CFG).generate(PROMPT, max_new_tokens=30, ignore_eos=True).token_ids
+    for spec in (DraftModel(q4, CFG), PromptLookup(), DraftModel(fp32, CFG)):
+        assert Session(q4, spec, CFG, k=3).generate(PROMPT, max_new_tokens=30, ignore_eos=True).token_ids == plain
+
+
+@pytest.mark.parametrize("kwargs, words", [({"quantize": "int4", "graph": "portable"}, "fused graph only"),
+                                           ({"quantize": "int3"}, "int8, int4")])
+def test_bad_int4_exports(exported, tmp_path, kwargs, words):
+    with pytest.raises(ExportError, match=words):
+        rlxrt.export(exported.source("llama"), tmp_path / "out", **kwargs)

@@ -262,7 +262,9 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("src", help="a local Hugging Face model directory, or a hub id (needs network)")
     p.add_argument("out", help="the model directory to write")
     p.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32", help="weights and cache type (fp16 for GPUs)")
-    p.add_argument("--quantize", choices=["int8"], help="dynamic int8 weights (a cheap CPU draft)")
+    p.add_argument("--quantize", choices=["int8", "int4"],
+                   help="int8: dynamic int8 weights (portable graphs); int4: MatMulNBits blocks of 32, accuracy "
+                        "level 4 (fused graphs); exactness is then relative to the quantised graph")
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     p.add_argument("--no-validate", action="store_true", help="skip the ORT-vs-PyTorch check")
     p.add_argument("--atol", type=float, help="validation tolerance (max abs logit diff, scaled by max |logit|)")
