@@ -9,7 +9,7 @@ One block per layer, as ONNX Runtime's contrib ops fuse it:
         qkv  = MatMul(n, W_qkv) (+ bias)                        # q, k, v packed in one weight
         attn = GroupQueryAttention(qkv, past_k, past_v, seqlens_k, total_sequence_length, cos, sin)
         n, r = SkipSimplifiedLayerNormalization(attn @ W_o, r)  # residual add + RMSNorm in one op
-        gate, up = Split(MatMul(n, W_gate_up))                  # gate and up packed
+        gate, up = MatMul(n, W_gate), MatMul(n, W_up)
         n, r = SkipSimplifiedLayerNormalization((silu(gate) * up) @ W_down, r)
     logits = Gemm(last num_logits rows of n, embedding^T)       # only the rows the caller needs
 
@@ -190,18 +190,18 @@ class Builder:
 
     def mlp(self, i: int, x: str) -> str:
         p = f"model.layers.{i}.mlp"
-        gate_up = self.linear(x, [f"{p}.gate_proj", f"{p}.up_proj"], f"l{i}.gate_up")
-        gate, up = f"l{i}.gate", f"l{i}.up"
-        self.node("Split", [gate_up, self.const(f"l{i}.split", [self.spec.intermediate] * 2)], [gate, up], axis=-1)
+        gate = self.linear(x, [f"{p}.gate_proj"], f"l{i}.gate")  # two MatMuls: cheaper than one + Split
+        up = self.linear(x, [f"{p}.up_proj"], f"l{i}.up")
         silu = self.node("Mul", [gate, self.node("Sigmoid", [gate], f"l{i}.sig")], f"l{i}.silu")
         return self.linear(self.node("Mul", [silu, up], f"l{i}.act"), [f"{p}.down_proj"], f"l{i}.down")
 
-    def skip_norm(self, x: str, residual: str, weight: str, name: str) -> tuple[str, str]:
-        """(RMSNorm(x + residual), x + residual)."""
+    def skip_norm(self, x: str, residual: str, weight: str, name: str, out: str | None = None) -> tuple[str, str]:
+        """(RMSNorm(x + residual), x + residual); ``out`` names the first output."""
         w = self.weight(f"{name}.weight", self.take(weight))
-        self.node("SkipSimplifiedLayerNormalization", [x, residual, w], [f"{name}.out", "", "", f"{name}.sum"],
+        out = out or f"{name}.out"
+        self.node("SkipSimplifiedLayerNormalization", [x, residual, w], [out, "", "", f"{name}.sum"],
                   domain=MS, epsilon=self.spec.eps)
-        return f"{name}.out", f"{name}.sum"
+        return out, f"{name}.sum"
 
     def logits(self, hidden: str) -> str:
         """Logits of the last ``num_logits`` rows only: [1, rows, vocab]."""
@@ -235,11 +235,9 @@ class Builder:
             last = i + 1 == s.layers
             n, residual = self.skip_norm(self.mlp(i, n), residual, "model.norm.weight" if last else
                                          f"model.layers.{i + 1}.input_layernorm.weight",
-                                         "final_norm" if last else f"l{i + 1}.in_norm")
-        logits = self.logits(n)
-        if with_hidden:
-            self.node("Identity", [n], "hidden_states")
-        return self.model(logits, with_hidden)
+                                         "final_norm" if last else f"l{i + 1}.in_norm",
+                                         "hidden_states" if last and with_hidden else None)
+        return self.model(self.logits(n), with_hidden)
 
     def model(self, logits: str, with_hidden: bool):
         from onnx import TensorProto
