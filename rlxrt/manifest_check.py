@@ -173,12 +173,12 @@ def parse(cls, data: Any, where: str):
     inputs = f.names("inputs", ("input_ids",))
     if head is not None and not inputs.get("hidden_states"):
         raise ModelFormatError(f"{where}: a draft head needs field 'inputs.hidden_states'; {FIX}")
-    kind = f.choice("graph_kind", GRAPH_KINDS) if "graph_kind" in data else "portable"
-    if kind == "fused" and (kv is None or kv.capacity is None):
-        raise ModelFormatError(f"{where}: a fused graph needs field 'kv_cache.capacity' (its KV buffer length); {FIX}")
     if kv is None and state is None:
         raise ModelFormatError(f"{where}: the manifest declares neither a KV cache ('kv_cache') nor recurrent "
                                f"state ('state'); {FIX}")
+    kind = f.choice("graph_kind", GRAPH_KINDS) if "graph_kind" in data else "portable"
+    if kind == "fused" and (kv is None or kv.capacity is None):
+        raise ModelFormatError(f"{where}: a fused graph needs field 'kv_cache.capacity' (its KV buffer length); {FIX}")
     return cls(
         architecture=f.text("architecture"), model_type=f.text("model_type"), vocab_size=vocab,
         max_positions=f.integer("max_positions", 1), graph=f.text("graph", file_name=True),

@@ -224,10 +224,11 @@ MANIFESTS = [
     ("source", _set("source", "here"), ["source", "'here'", "JSON object"]),
     ("source hash", _set("source.weights_sha256", 12), ["source.weights_sha256", "12", "string"]),
     ("kv typo", _set("kv_cache.kv_head", 4), ["'kv_cache.kv_head'", "known here"]),
-    ("undeclared input", _set("inputs.position_ids", None), ["'position_ids'", "does not declare"]),
+    ("undeclared input", _set("inputs.num_logits", None), ["'num_logits'", "does not declare"]),
     ("capacity", _set("kv_cache.capacity", 0), ["kv_cache.capacity", "got 0"]),
     ("graph kind", _set("graph_kind", "magic"), ["graph_kind", "'magic'", "portable, fused"]),
-    ("fused without capacity", _set("graph_kind", "fused"), ["kv_cache.capacity", "fused"]),
+    ("fused without capacity", _set("kv_cache.capacity", KeyError), ["kv_cache.capacity", "fused"]),
+    ("capacity vs graph", _set("kv_cache.capacity", 512), ["kv_cache.capacity is 512", "1024"]),
 ]
 RAW = [("not json", b"{", ["not valid JSON"]), ("latin1", "{\"a\": \"\xe9\"}".encode("latin-1"), ["not UTF-8"]),
        ("a list", b"[]", ["JSON object", "list"])]

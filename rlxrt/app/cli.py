@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import traceback
 from typing import Any, Callable
@@ -153,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("rlxrt: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`rlxrt inspect M | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_ERROR
     except Exception:  # a bug: say so, with everything needed to report it
         print(f"rlxrt: internal error, please report it with this traceback (rlxrt {__version__}):",
               file=sys.stderr)

@@ -2,6 +2,7 @@
 
     python -m rlxrt.app.recipe WORK          # target, draft, prompts, recipe
     python -m rlxrt.app.recipe WORK --mtp    # the MTP head (after train_mtp)
+    python -m rlxrt.app.recipe --fuse        # the shipped pair as fused graphs of the same weights
 
 The application layer wires the recipe to ORT: it hands exporters/reference
 the ``runner`` that compiles a graph with ``rlxrt.backends``.
@@ -16,8 +17,13 @@ def main(argv: list[str] | None = None) -> None:
     from rlxrt.exporters.reference.build import build_mtp, build_pair
 
     args = sys.argv[1:] if argv is None else argv
+    if args == ["--fuse"]:
+        from rlxrt.exporters.reference.fuse import fuse_shipped
+
+        print(fuse_shipped(runner))
+        return
     if not args:
-        raise SystemExit("usage: python -m rlxrt.app.recipe WORK [--mtp]")
+        raise SystemExit("usage: python -m rlxrt.app.recipe WORK [--mtp] | --fuse")
     if "--mtp" in args[1:]:
         build_mtp(args[0], runner)
     else:
