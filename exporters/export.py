@@ -140,7 +140,8 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
         if kind == "fused":
             weights = steps.run("read", read_weights, src_dir)
             spec = steps.run("build", build_graph, config, weights, final / GRAPH, capacity=max_context,
-                             with_hidden=with_hidden_states, quantize="int4" if variant == "int4" else None)
+                             with_hidden=with_hidden_states, quantize="int4" if variant == "int4" else None,
+                             dtype="float16" if variant == "float16" else "float32")
             del weights
             layout, task, family = fused_layout(spec, with_hidden_states), FUSED_TASK, FAMILIES["attention"]
             stack = _torch_stack() if validate_export else None
@@ -180,10 +181,10 @@ def _graph_kind(graph: str | None, config: dict, variant: str, max_context: int 
         raise ExportError(f"{why_not}; export with --graph portable")
     if variant == "int4" and (graph == "portable" or why_not):
         raise ExportError(f"int4 (MatMulNBits) is built into the fused graph only; {why_not or 'drop --graph portable'}")
-    if graph == "fused" and variant not in ("float32", "int4"):
-        raise ExportError(f"the fused graph is fp32 or int4 for now (asked for {variant}); drop --dtype/--quantize "
+    if graph == "fused" and variant not in ("float32", "float16", "int4"):
+        raise ExportError(f"the fused graph is fp32, fp16 or int4 (asked for {variant}); drop --quantize int8 "
                           "or pass --graph portable")
-    kind = graph or ("fused" if not why_not and variant in ("float32", "int4") else "portable")
+    kind = graph or ("fused" if not why_not and variant in ("float32", "float16", "int4") else "portable")
     if max_context is not None and kind != "fused":
         raise ExportError("--max-context sets the KV buffer of a fused graph; a portable graph has none "
                           "(drop it, or pass --graph fused)")

@@ -73,7 +73,7 @@ def int4_blocks(w: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]
 class Spec:
     """The numbers of a Llama-style config.json the graph needs."""
 
-    def __init__(self, config: dict, capacity: int | None, quantize: str | None = None):
+    def __init__(self, config: dict, capacity: int | None, quantize: str | None = None, dtype: str = "float32"):
         if config.get("model_type") not in FAMILIES:
             raise ExportError(f"the fused graph covers {', '.join(FAMILIES)}; model type "
                               f"{config.get('model_type')!r} exports with --graph portable")
@@ -102,10 +102,14 @@ class Spec:
         self.window = int(window) if window and int(window) < self.capacity else -1
         if quantize not in (None, "int4"):
             raise ExportError(f"the fused graph quantises to int4 only, not {quantize!r}")
+        if dtype not in ("float32", "float16") or (dtype == "float16" and quantize):
+            raise ExportError(f"the fused graph computes in float32 or float16 (without int4), not {dtype!r}")
         self.int4 = quantize == "int4"
+        self.dtype = dtype
+        """What the graph computes in and keeps its cache in; logits and hidden states leave it as float32."""
 
     def kv_layout(self) -> KVCacheLayout:
-        return KVCacheLayout(self.layers, self.kv_heads, self.head_dim, "float32", *PAST, capacity=self.capacity)
+        return KVCacheLayout(self.layers, self.kv_heads, self.head_dim, self.dtype, *PAST, capacity=self.capacity)
 
 
 def rotary_caches(spec: Spec) -> tuple[np.ndarray, np.ndarray]:
@@ -142,8 +146,19 @@ class Builder:
         self.nodes, self.inits = [], []
 
     def weight(self, name: str, array: np.ndarray) -> str:
+        """An initializer; float weights are stored in the graph's compute type."""
+        if array.dtype == np.float32 and self.spec.dtype == "float16":
+            array = array.astype(np.float16)
         self.inits.append(self.numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
+
+    def to_float32(self, x: str, out: str) -> str:
+        """``x`` as float32 under the name ``out`` (a Cast only when the graph computes in float16)."""
+        from onnx import TensorProto
+
+        if self.spec.dtype == "float32":
+            return self.node("Identity", [x], out) if x != out else out
+        return self.node("Cast", [x], out, to=TensorProto.FLOAT)
 
     def const(self, name: str, values, dtype=np.int64) -> str:
         return self.weight(name, np.asarray(values, dtype))
@@ -211,12 +226,13 @@ class Builder:
         if s.int4:  # MatMulNBits takes [1, rows, H]; the lookup keeps its fp32 embedding
             w = self.take("model.embed_tokens.weight" if s.tied else "lm_head.weight").T
             return self.matmul(rows, w, "logits")
+        last = "logits" if s.dtype == "float32" else "logits.compute"
         flat = self.node("Reshape", [rows, self.const("flat", [-1, s.hidden])], "rows2d")
         if s.tied:
             out = self.node("Gemm", [flat, "embed.weight"], "logits2d", transB=1)
         else:
             out = self.node("MatMul", [flat, self.weight("lm_head.weight", self.take("lm_head.weight").T)], "logits2d")
-        return self.node("Unsqueeze", [out, self.const("axis0", [0])], "logits")
+        return self.to_float32(self.node("Unsqueeze", [out, self.const("axis0", [0])], last), "logits")
 
     def build(self, with_hidden: bool):
         s = self.spec
@@ -236,14 +252,18 @@ class Builder:
             n, residual = self.skip_norm(self.mlp(i, n), residual, "model.norm.weight" if last else
                                          f"model.layers.{i + 1}.input_layernorm.weight",
                                          "final_norm" if last else f"l{i + 1}.in_norm",
-                                         "hidden_states" if last and with_hidden else None)
-        return self.model(self.logits(n), with_hidden)
+                                         "hidden_states" if last and with_hidden and s.dtype == "float32" else None)
+        logits = self.logits(n)
+        if with_hidden and s.dtype != "float32":
+            self.to_float32(n, "hidden_states")
+        return self.model(logits, with_hidden)
 
     def model(self, logits: str, with_hidden: bool):
         from onnx import TensorProto
 
         h, s = self.helper, self.spec
         cache = [1, s.kv_heads, s.capacity, s.head_dim]
+        kv_type = TensorProto.FLOAT16 if s.dtype == "float16" else TensorProto.FLOAT
         inputs = [h.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "sequence"]),
                   h.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
                   h.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
@@ -251,8 +271,8 @@ class Builder:
         outputs = [h.make_tensor_value_info(logits, TensorProto.FLOAT, [1, "rows", s.vocab])]
         for i in range(s.layers):
             pk, pv, ck, cv = (n.format(i=i) for n in PAST)
-            inputs += [h.make_tensor_value_info(n, TensorProto.FLOAT, cache) for n in (pk, pv)]
-            outputs += [h.make_tensor_value_info(n, TensorProto.FLOAT, cache) for n in (ck, cv)]
+            inputs += [h.make_tensor_value_info(n, kv_type, cache) for n in (pk, pv)]
+            outputs += [h.make_tensor_value_info(n, kv_type, cache) for n in (ck, cv)]
         if with_hidden:
             outputs.append(h.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [1, "sequence", s.hidden]))
         graph = h.make_graph(self.nodes, f"rlxrt_fused_{s.model_type}", inputs, outputs, self.inits)
@@ -262,19 +282,19 @@ class Builder:
 
 def fused_layout(spec: Spec, with_hidden: bool) -> dict:
     """The manifest fields of a fused graph."""
-    return {"dtype": "int4" if spec.int4 else "float32", "quantization": dict(INT4) if spec.int4 else None,
+    return {"dtype": "int4" if spec.int4 else spec.dtype, "quantization": dict(INT4) if spec.int4 else None,
             "inputs": dict(INPUTS), "kv_cache": spec.kv_layout(), "state": None,
             "outputs": {"logits": "logits", "hidden_states": "hidden_states" if with_hidden else None},
             "max_positions": spec.capacity, "graph_kind": "fused"}
 
 
 def build_graph(config: dict, weights: dict[str, np.ndarray], path: Path, *, capacity: int | None = None,
-                with_hidden: bool = False, quantize: str | None = None) -> Spec:
+                with_hidden: bool = False, quantize: str | None = None, dtype: str = "float32") -> Spec:
     """Write the fused graph of ``config``/``weights`` to ``path`` (weights in ``path.name + '.data'``);
     ``quantize="int4"`` stores the MatMul weights as int4 blocks (``INT4``)."""
     import onnx
 
-    spec = Spec(config, capacity, quantize)
+    spec = Spec(config, capacity, quantize, dtype)
     model = Builder(spec, weights).build(with_hidden)
     onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
               location=path.name + ".data", size_threshold=1024)

@@ -95,7 +95,7 @@ def test_rollback_equals_never_feeding_rejected_tokens(exported, keep):
 
 @pytest.mark.parametrize("dtype, quantize, tol", [("fp16", None, 5e-2), ("fp32", "int8", 1.0)])
 def test_variants_load_and_validate(exported, dtype, quantize, tol):
-    out = exported("llama", dtype=dtype, quantize=quantize)
+    out = exported("llama", dtype=dtype, quantize=quantize, graph="portable")
     m = Manifest.load(out)
     assert m.dtype == ("float16" if dtype == "fp16" else "int8")
     assert m.kv_cache.dtype == ("float16" if dtype == "fp16" else "float32")

@@ -125,7 +125,7 @@ def test_a_request_up_to_the_capacity_and_a_clear_error_past_it(exported, tmp_pa
 @pytest.mark.parametrize("kwargs, words", [
     ({"graph": "fused", "family": "gpt2"}, "covers llama"),
     ({"graph": "fused", "family": "llama", "hidden": 32}, "multiple of 16"),
-    ({"graph": "fused", "family": "llama", "dtype": "fp16"}, "fp32 or int4 for now"),
+    ({"graph": "fused", "family": "llama", "quantize": "int8"}, "fp32, fp16 or int4"),
     ({"graph": "portable", "family": "llama", "max_context": 64}, "--max-context"),
     ({"family": "llama", "max_context": 10 ** 6}, "outside 1..256"),
     ({"graph": "tiny", "family": "llama"}, "not a graph kind"),
@@ -186,3 +186,20 @@ def test_int4_loads_stays_close_and_speculates_exactly(exported, tmp_path):
 def test_bad_int4_exports(exported, tmp_path, kwargs, words):
     with pytest.raises(ExportError, match=words):
         rlxrt.export(exported.source("llama"), tmp_path / "out", **kwargs)
+
+
+def test_fp16_fused_graph(exported, tmp_path):
+    """--dtype fp16 --graph fused: weights, compute and the KV buffers in float16 (what GroupQueryAttention on
+    CUDA needs), logits and hidden states handed out as float32; validated, close, and exact under speculation."""
+    out = tmp_path / "fp16"
+    m = rlxrt.export(exported.source("llama"), out, graph="fused", dtype="fp16", with_hidden_states=True).manifest
+    assert m.dtype == "float16" and m.kv_cache.dtype == "float16" and m.validation["passed"]
+    model = decoder_for(compile(out, CFG))
+    model.fetch_hidden()
+    ref = decoder_for(compile(exported("llama"), CFG)).forward(list(range(3, 20)))
+    got = model.forward(list(range(3, 20)))
+    assert got.dtype == np.float32 and model.hidden.dtype == np.float32
+    assert np.abs(got - ref).max() < 3e-2 * max(1.0, np.abs(ref).max())
+    plain = Session(out, None, CFG).generate(PROMPT, max_new_tokens=30, ignore_eos=True).token_ids
+    for spec in (DraftModel(out, CFG), PromptLookup(), DraftModel(exported("llama", seed=1), CFG)):
+        assert Session(out, spec, CFG, k=3).generate(PROMPT, max_new_tokens=30, ignore_eos=True).token_ids == plain
