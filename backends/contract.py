@@ -56,8 +56,6 @@ def check_contract(m: Manifest, inputs: Sequence, outputs: Sequence, where: str)
                 spec = need(ins if j < 2 else outs, name, field)
                 dims(spec, "kv_cache.kv_heads", {1: kv.kv_heads})
                 dims(spec, "kv_cache.head_dim", {3: kv.head_dim})
-                if kv.capacity is not None:
-                    dims(spec, "kv_cache.capacity", {2: kv.capacity})
                 dtype(spec, "kv_cache.dtype", kv.dtype)
         extra = [n for n in ins if n.startswith(kv.past_key.split("{i}")[0]) and n not in
                  {x for i in range(kv.layers) for x in kv.names(i)[:2]}]

@@ -36,14 +36,31 @@ INPUTS = {"input_ids": "input_ids", "seqlens_k": "seqlens_k", "total_sequence_le
           "num_logits": "num_logits", "attention_mask": None, "position_ids": None}
 
 
+def _rope(config: dict) -> tuple[float, dict | None]:
+    """rope theta and scaling, from transformers 4's ``rope_theta``/``rope_scaling`` or 5's ``rope_parameters``."""
+    params = config.get("rope_parameters") or {}
+    theta = float(config.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    scaling = config.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    return theta, scaling or None
+
+
 def unsupported(config: dict) -> str | None:
-    """Why the fused graph cannot be built for this config.json (None: it can)."""
+    """Why the fused graph cannot be built for this config.json (None: it can), checked before any weight
+    is read, so the automatic choice falls back to the portable graph instead of failing."""
     if config.get("model_type") not in FAMILIES:
         return f"the fused graph covers {', '.join(FAMILIES)}, not model type {config.get('model_type')!r}"
     heads = int(config.get("num_attention_heads") or 1)
     head_dim = int(config.get("head_dim") or int(config.get("hidden_size", 0)) // heads)
     if head_dim % 16:
         return f"ONNX Runtime's GroupQueryAttention needs a head size that is a multiple of 16, this model's is {head_dim}"
+    scaling = _rope(config)[1]
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind not in ("default", "linear", "llama3"):
+        return f"rope scaling {kind!r} is not built into the fused graph (default, linear, llama3)"
+    if config.get("mlp_bias"):
+        return "mlp_bias is not built into the fused graph"
+    if config.get("hidden_act", "silu") != "silu":
+        return f"hidden_act {config.get('hidden_act')!r} is not built into the fused graph (silu only)"
     return None
 
 
@@ -74,9 +91,9 @@ class Spec:
     """The numbers of a Llama-style config.json the graph needs."""
 
     def __init__(self, config: dict, capacity: int | None, quantize: str | None = None, dtype: str = "float32"):
-        if config.get("model_type") not in FAMILIES:
-            raise ExportError(f"the fused graph covers {', '.join(FAMILIES)}; model type "
-                              f"{config.get('model_type')!r} exports with --graph portable")
+        why_not = unsupported(config)
+        if why_not:
+            raise ExportError(f"{why_not}; export with --graph portable")
         c = config
         self.model_type = c["model_type"]
         self.hidden, self.layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
@@ -85,21 +102,16 @@ class Spec:
         self.head_dim = int(c.get("head_dim") or self.hidden // self.heads)
         self.intermediate, self.vocab = int(c["intermediate_size"]), int(c["vocab_size"])
         self.eps = float(c.get("rms_norm_eps", 1e-6))
-        self.theta = float(c.get("rope_theta", 10000.0))
-        self.rope_scaling = c.get("rope_scaling") or None
+        self.theta, self.rope_scaling = _rope(c)
         self.tied = bool(c.get("tie_word_embeddings", False))
         self.qkv_bias = self.model_type == "qwen2" or bool(c.get("attention_bias", False))
-        if c.get("mlp_bias"):
-            raise ExportError("mlp_bias is not supported by the fused graph; export with --graph portable")
-        if c.get("hidden_act", "silu") != "silu":
-            raise ExportError(f"hidden_act {c.get('hidden_act')!r} is not supported by the fused graph (silu only); "
-                              "export with --graph portable")
+        self.o_bias = self.model_type != "qwen2" and bool(c.get("attention_bias", False))
         max_pos = int(c.get("max_position_embeddings") or 2048)
         self.capacity = int(capacity) if capacity else max_pos
         if not 1 <= self.capacity <= max_pos:
             raise ExportError(f"--max-context {capacity} is outside 1..{max_pos} (the model's max positions)")
-        window = c.get("sliding_window") if c.get("use_sliding_window", self.model_type == "mistral") else None
-        self.window = int(window) if window and int(window) < self.capacity else -1
+        self.windows = [self._window(c, i) for i in range(self.layers)]
+        """Per layer: GroupQueryAttention's local_window_size (-1: full attention)."""
         if quantize not in (None, "int4"):
             raise ExportError(f"the fused graph quantises to int4 only, not {quantize!r}")
         if dtype not in ("float32", "float16") or (dtype == "float16" and quantize):
@@ -107,6 +119,20 @@ class Spec:
         self.int4 = quantize == "int4"
         self.dtype = dtype
         """What the graph computes in and keeps its cache in; logits and hidden states leave it as float32."""
+
+    def _window(self, c: dict, i: int) -> int:
+        """transformers' sliding window of layer i: mistral on every layer (4096 when unset); qwen2 only when
+        use_sliding_window, from max_window_layers on (or as layer_types says). ORT counts the current token
+        in the window, as transformers does."""
+        types = c.get("layer_types")
+        if types:
+            sliding = types[i] == "sliding_attention"
+        elif self.model_type == "mistral":
+            sliding = True
+        else:
+            sliding = bool(c.get("use_sliding_window")) and i >= int(c.get("max_window_layers", 0) or 0)
+        window = c.get("sliding_window", 4096 if self.model_type == "mistral" else None)
+        return int(window) if sliding and window and int(window) < self.capacity else -1
 
     def kv_layout(self) -> KVCacheLayout:
         return KVCacheLayout(self.layers, self.kv_heads, self.head_dim, self.dtype, *PAST, capacity=self.capacity)
@@ -200,8 +226,8 @@ class Builder:
                         [qkv, "", "", past_k, past_v, "seqlens_k", "total_sequence_length", "cos_cache", "sin_cache"],
                         [f"l{i}.attn", present_k, present_v], domain=MS, num_heads=s.heads, kv_num_heads=s.kv_heads,
                         scale=1.0 / math.sqrt(s.head_dim), do_rotary=1, rotary_interleaved=0,
-                        local_window_size=s.window)
-        return self.linear(out, [f"{p}.o_proj"], f"l{i}.o")
+                        local_window_size=s.windows[i])
+        return self.linear(out, [f"{p}.o_proj"], f"l{i}.o", bias=s.o_bias)
 
     def mlp(self, i: int, x: str) -> str:
         p = f"model.layers.{i}.mlp"
@@ -262,7 +288,7 @@ class Builder:
         from onnx import TensorProto
 
         h, s = self.helper, self.spec
-        cache = [1, s.kv_heads, s.capacity, s.head_dim]
+        cache = [1, s.kv_heads, "capacity", s.head_dim]  # symbolic: a session binds buffers of kv_cache.capacity
         kv_type = TensorProto.FLOAT16 if s.dtype == "float16" else TensorProto.FLOAT
         inputs = [h.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "sequence"]),
                   h.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),

@@ -20,7 +20,11 @@ DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.flo
 
 def read_weights(directory: Path) -> dict[str, np.ndarray]:
     """Every tensor of every ``*.safetensors`` file in ``directory``, float ones as float32."""
-    files = sorted(directory.glob("*.safetensors"))
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():  # a sharded checkpoint: exactly the files its weight map names
+        files = sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:  # model.safetensors (not e.g. Mistral's consolidated.safetensors beside it)
+        files = sorted(directory.glob("model*.safetensors")) or sorted(directory.glob("*.safetensors"))
     if not files:
         raise ExportError(f"no *.safetensors weights in {str(directory)!r}; the fused graph is built from "
                           "safetensors (save the model with `save_pretrained(..., safe_serialization=True)`)")

@@ -14,6 +14,8 @@ from rlxrt.manifest import Manifest
 
 # Max abs logit difference allowed, relative to max(1, max |reference logit|).
 TOLERANCE = {"float32": 1e-3, "float16": 3e-2, "int8": 0.3, "int4": 0.5}
+VALIDATION_POSITIONS = 16
+"""Room a fused graph's validation buffers keep beyond the prefill, for the step that follows it."""
 
 
 def reference_logits(torch, model, vocab_size: int, prompt_len: int = 8, step_len: int = 4, seed: int = 0):
@@ -40,8 +42,9 @@ def feeds_for(manifest: Manifest, ids: np.ndarray, past: list[np.ndarray] | None
     if kv is not None:
         for i in range(kv.layers):
             pk, pv, _, _ = kv.names(i)
-            if past is None:
-                empty = np.zeros((1, kv.kv_heads, kv.capacity or 0, kv.head_dim), dtype=kv.dtype)
+            if past is None:  # a fused graph's buffer: only as long as the check needs (its length is symbolic)
+                length = min(kv.capacity, past_len + s + VALIDATION_POSITIONS) if kv.capacity else 0
+                empty = np.zeros((1, kv.kv_heads, length, kv.head_dim), dtype=kv.dtype)
                 feeds[pk], feeds[pv] = empty, empty
             else:
                 feeds[pk], feeds[pv] = past[2 * i], past[2 * i + 1]

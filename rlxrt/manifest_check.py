@@ -179,6 +179,13 @@ def parse(cls, data: Any, where: str):
     kind = f.choice("graph_kind", GRAPH_KINDS) if "graph_kind" in data else "portable"
     if kind == "fused" and (kv is None or kv.capacity is None):
         raise ModelFormatError(f"{where}: a fused graph needs field 'kv_cache.capacity' (its KV buffer length); {FIX}")
+    if kind == "fused":
+        for role in ("seqlens_k", "total_sequence_length", "num_logits"):
+            if not inputs.get(role):
+                raise ModelFormatError(f"{where}: a fused graph needs field 'inputs.{role}'; {FIX}")
+        if f.integer("max_positions", 1) > kv.capacity:
+            raise ModelFormatError(f"{where}: field 'max_positions' ({data['max_positions']}) exceeds "
+                                   f"'kv_cache.capacity' ({kv.capacity}); {FIX}")
     return cls(
         architecture=f.text("architecture"), model_type=f.text("model_type"), vocab_size=vocab,
         max_positions=f.integer("max_positions", 1), graph=f.text("graph", file_name=True),

@@ -42,7 +42,8 @@ class DraftProposal:
 @dataclass
 class VerifyResult:
     logits: np.ndarray
-    """[k+1, V] float32: the target's logits after context + proposed[:i]."""
+    """[k+1, V] float32: the target's logits after context + proposed[:i]. Valid during this round only: a
+    fused target hands out its own buffer, overwritten by its next call (copy what you keep)."""
     probs: np.ndarray | None = None
     """[k+1, V] float64: the transformed distribution (None when greedy: only the argmax is needed)."""
     hidden: np.ndarray | None = None

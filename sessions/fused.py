@@ -16,6 +16,17 @@ from rlxrt.limits import K_MAX
 from .kv import GraphModel
 
 
+MIN_ORT = (1, 31)
+
+
+def _device(graph: CompiledGraph) -> tuple[str, int]:
+    """Where the KV buffers live: the CUDA device the session runs on (its device_id), else the host."""
+    if graph.providers and graph.providers[0] in ("cuda", "tensorrt"):
+        opts = graph.session.get_provider_options().get("CUDAExecutionProvider", {})
+        return "cuda", int(opts.get("device_id", 0) or 0)
+    return "cpu", 0
+
+
 class FusedKVModel(GraphModel):
     def __init__(self, graph: CompiledGraph):
         super().__init__(graph)
@@ -25,16 +36,26 @@ class FusedKVModel(GraphModel):
             raise ModelFormatError(f"{graph.path}: a fused graph needs kv_cache.capacity in its manifest; re-export")
         import onnxruntime as ort
 
+        version = tuple(int(x) for x in ort.__version__.split(".")[:2] if x.isdigit())
+        if version < MIN_ORT:
+            raise ModelFormatError(
+                f"fused graphs need onnxruntime >= {'.'.join(map(str, MIN_ORT))} (its GroupQueryAttention must take "
+                f"several new tokens after a past; tested on 1.31-1.32), this is {ort.__version__}; upgrade "
+                "onnxruntime, or export with --graph portable")
+        device, device_id = _device(graph)
+        if device == "cuda" and kv.dtype == "float32":
+            raise ModelFormatError(
+                f"{graph.path}: an fp32 fused graph runs GroupQueryAttention on the CPU under CUDA (ONNX Runtime's "
+                "CUDA kernel is fp16/bf16 only), copying the KV buffers every step; export with --dtype fp16 for GPUs")
         self.capacity = kv.capacity
         self.max_positions = min(m.max_positions, kv.capacity)
-        device = "cuda" if graph.providers[0] == "cuda" else "cpu"
         shape = [1, kv.kv_heads, kv.capacity, kv.head_dim]
         self._binding = graph.session.io_binding()
         self._buffers = []  # kept alive: the binding refers to them
         for i in range(kv.layers):
             past_k, past_v, present_k, present_v = kv.names(i)
             for past, present in ((past_k, present_k), (past_v, present_v)):
-                buf = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.dtype(kv.dtype), device, 0)
+                buf = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.dtype(kv.dtype), device, device_id)
                 self._binding.bind_ortvalue_input(past, buf)
                 self._binding.bind_ortvalue_output(present, buf)
                 self._buffers.append(buf)
@@ -48,18 +69,19 @@ class FusedKVModel(GraphModel):
         self._ids_name, self._logits = m.inputs["input_ids"], m.outputs["logits"]
         self._ids: dict[int, tuple[np.ndarray, object]] = {}
         self._out: dict[int, tuple[np.ndarray, object]] = {}
+        self._logits_buf = np.zeros((1, K_MAX + 1, m.vocab_size), np.float32)  # views of it for rounds
         self._ort, self._vocab = ort, m.vocab_size
         self._hidden_name: str | None = None
         self._run_binding = graph.session.run_with_iobinding
         self.output_names = [self._logits]
         self.reset()
 
-    def _buffer(self, cache: dict, n: int, shape: tuple, dtype) -> tuple[np.ndarray, object]:
+    def _buffer(self, cache: dict, n: int, shape: tuple, dtype, base: np.ndarray | None = None):
         """A host array and the OrtValue over its memory: made once per length ``n`` up to a round's
-        (K_MAX + 1), afresh for longer calls (prompts), so the cache stays small."""
+        (K_MAX + 1) — a view of ``base`` when given —, afresh for longer calls (prompts)."""
         if n in cache:
             return cache[n]
-        arr = np.zeros(shape, dtype)
+        arr = base[:, :n] if base is not None and n <= base.shape[1] else np.zeros(shape, dtype)
         made = (arr, self._ort.OrtValue.ortvalue_from_numpy(arr))
         if n <= K_MAX + 1:
             cache[n] = made
@@ -85,7 +107,7 @@ class FusedKVModel(GraphModel):
         n = s if rows is None else min(rows, s)
         ids, ids_value = self._buffer(self._ids, s, (1, s), np.int64)
         ids[0] = tokens
-        logits, logits_value = self._buffer(self._out, n, (1, n, self._vocab), np.float32)
+        logits, logits_value = self._buffer(self._out, n, (1, n, self._vocab), np.float32, self._logits_buf)
         self._seqlens[0] = end - 1
         self._total[()] = end
         self._rows[0] = n

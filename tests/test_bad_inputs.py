@@ -224,11 +224,11 @@ MANIFESTS = [
     ("source", _set("source", "here"), ["source", "'here'", "JSON object"]),
     ("source hash", _set("source.weights_sha256", 12), ["source.weights_sha256", "12", "string"]),
     ("kv typo", _set("kv_cache.kv_head", 4), ["'kv_cache.kv_head'", "known here"]),
-    ("undeclared input", _set("inputs.num_logits", None), ["'num_logits'", "does not declare"]),
     ("capacity", _set("kv_cache.capacity", 0), ["kv_cache.capacity", "got 0"]),
     ("graph kind", _set("graph_kind", "magic"), ["graph_kind", "'magic'", "portable, fused"]),
     ("fused without capacity", _set("kv_cache.capacity", KeyError), ["kv_cache.capacity", "fused"]),
-    ("capacity vs graph", _set("kv_cache.capacity", 512), ["kv_cache.capacity is 512", "1024"]),
+    ("capacity vs positions", _set("kv_cache.capacity", 512), ["'max_positions' (1024)", "512"]),
+    ("fused roles", _set("inputs.num_logits", KeyError), ["inputs.num_logits", "fused"]),
 ]
 RAW = [("not json", b"{", ["not valid JSON"]), ("latin1", "{\"a\": \"\xe9\"}".encode("latin-1"), ["not UTF-8"]),
        ("a list", b"[]", ["JSON object", "list"])]
@@ -359,3 +359,14 @@ def test_an_internal_error_is_reported_as_one(monkeypatch, capsys):
 
 def test_usage_errors_are_rlxrt_errors():
     assert issubclass(UsageError, RlxrtError) and issubclass(GenerationError, RlxrtError)
+
+
+def test_a_graph_input_the_manifest_does_not_declare_is_refused(graph):
+    """Nothing would feed it: refused at load, not found by ONNX Runtime mid-request."""
+    from rlxrt.backends import TensorSpec
+    from rlxrt.backends.contract import check_contract
+
+    extra = [*graph.inputs, TensorSpec("position_ids", (1, "sequence"), "tensor(int64)")]
+    with pytest.raises(ModelFormatError, match="'position_ids' the manifest does not declare"):
+        check_contract(graph.manifest, extra, graph.outputs, "rlxrt.json")
+    check_contract(graph.manifest, graph.inputs, graph.outputs, "rlxrt.json")  # the real one passes

@@ -203,3 +203,49 @@ def test_fp16_fused_graph(exported, tmp_path):
     plain = Session(out, None, CFG).generate(PROMPT, max_new_tokens=30, ignore_eos=True).token_ids
     for spec in (DraftModel(out, CFG), PromptLookup(), DraftModel(exported("llama", seed=1), CFG)):
         assert Session(out, spec, CFG, k=3).generate(PROMPT, max_new_tokens=30, ignore_eos=True).token_ids == plain
+
+
+def test_what_the_builder_reads_from_a_config():
+    """Pure checks of exporters/fused.py's config reading (no weights): rope from transformers 4 and 5
+    configs, sliding windows per layer as transformers applies them, and what falls back to portable."""
+    from rlxrt.exporters.export import _graph_kind
+    from rlxrt.exporters.fused import Spec, _rope, unsupported
+
+    base = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 256}
+    assert _rope({**base, "rope_theta": 5e5}) == (5e5, None)
+    v5 = {**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}
+    assert _rope(v5)[0] == 5e5 and _rope(v5)[1]["rope_type"] == "llama3"
+    yarn = {**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    assert "yarn" in unsupported(yarn) and _graph_kind(None, yarn, "float32", None) == "portable"
+    assert "hidden_act" in unsupported({**base, "hidden_act": "gelu"})
+    assert unsupported(base) is None and _graph_kind(None, base, "float32", None) == "fused"
+    qwen = {**base, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}
+    assert Spec(qwen, 64).windows == [-1, 8]
+    assert Spec({**qwen, "use_sliding_window": False}, 64).windows == [-1, -1]
+    assert Spec({**base, "model_type": "mistral"}, 64).windows == [-1, -1]  # 4096 >= the buffer: no window
+    assert Spec({**base, "model_type": "mistral", "sliding_window": 16}, 64).windows == [16, 16]
+    assert Spec({**base, "attention_bias": True}, 64).o_bias and not Spec(qwen, 64).o_bias
+
+
+def test_sliding_window_matches_pytorch(tmp_path):
+    """A mistral whose window (6) is shorter than the sequence: ORT's local window equals transformers'."""
+    import torch
+    import transformers as tf
+
+    cfg = tf.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, max_position_embeddings=64, sliding_window=6, vocab_size=120,
+                           tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = tf.MistralForCausalLM(cfg).eval()
+    model.save_pretrained(str(tmp_path / "src"))
+    out = tmp_path / "out"
+    m = rlxrt.export(tmp_path / "src", out).manifest  # validated against PyTorch too
+    assert m.graph_kind == "fused" and m.validation["passed"]
+    ids = np.random.default_rng(0).integers(0, 120, 20).tolist()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    fused = decoder_for(compile(out, CFG))
+    # copies: a fused model hands out its own logits buffer, valid until its next call
+    got = np.concatenate([fused.forward(ids[:9]).copy(), fused.forward(ids[9:14]).copy(), fused.forward(ids[14:])])
+    np.testing.assert_allclose(got, ref, atol=1e-4)

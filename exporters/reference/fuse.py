@@ -41,7 +41,7 @@ def weights_from_portable(graph: Path, checkpoint: dict[str, np.ndarray]) -> dic
         want = w.T
         dist = sorted((float(np.abs(a - want).max()), n) for n, a in free.items() if a.shape == want.shape)
         if not dist or dist[0][0] > 1e-2 * max(1.0, float(np.abs(want).max())) or \
-                (len(dist) > 1 and dist[1][0] < 10 * dist[0][0]):
+                (len(dist) > 1 and dist[1][0] <= 10 * dist[0][0]):
             raise ExportError(f"cannot match {name} to one initializer of {graph} (distances {dist[:2]})")
         out[name] = free.pop(dist[0][1]).T
     return out

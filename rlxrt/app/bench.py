@@ -65,7 +65,7 @@ def step_times(target, draft, ks: list[int], context: int, repeats: int = 60) ->
     passes += [(f"target_{k + 1}", target, k + 1) for k in ks]
     for model in {id(m): m for _, m, _ in passes}.values():
         model.reset()
-        model.forward(np.arange(context) % model.vocab_size)
+        model.forward(np.arange(context) % model.vocab_size, rows=1)
     times: dict[str, list[float]] = {name: [] for name, _, _ in passes}
     for _ in range(repeats):
         for name, model, s in passes:
