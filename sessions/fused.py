@@ -59,8 +59,8 @@ class FusedKVModel(GraphModel):
                 self._binding.bind_ortvalue_input(past, buf)
                 self._binding.bind_ortvalue_output(present, buf)
                 self._buffers.append(buf)
-        # the per-call numbers live in arrays bound once and written in place; the ids and logits buffers
-        # are made once per call length, so a decode step allocates nothing
+        # the per-call numbers live in arrays bound once and written in place; ids and logits of a round
+        # land in views of one preallocated buffer each, so a decode step allocates nothing
         self._seqlens, self._total, self._rows = np.zeros(1, np.int32), np.zeros((), np.int32), np.zeros(1, np.int64)
         for role, arr in (("seqlens_k", self._seqlens), ("total_sequence_length", self._total),
                           ("num_logits", self._rows)):
@@ -69,7 +69,8 @@ class FusedKVModel(GraphModel):
         self._ids_name, self._logits = m.inputs["input_ids"], m.outputs["logits"]
         self._ids: dict[int, tuple[np.ndarray, object]] = {}
         self._out: dict[int, tuple[np.ndarray, object]] = {}
-        self._logits_buf = np.zeros((1, K_MAX + 1, m.vocab_size), np.float32)  # views of it for rounds
+        self._ids_buf = np.zeros((1, K_MAX + 1), np.int64)
+        self._logits_buf = np.zeros((1, K_MAX + 1, m.vocab_size), np.float32)
         self._ort, self._vocab = ort, m.vocab_size
         self._hidden_name: str | None = None
         self._run_binding = graph.session.run_with_iobinding
@@ -105,7 +106,7 @@ class FusedKVModel(GraphModel):
             raise GenerationError(f"sequence of {end} tokens exceeds the model's KV capacity ({self.max_positions}); "
                                   "shorten the request, or re-export with a larger --max-context")
         n = s if rows is None else min(rows, s)
-        ids, ids_value = self._buffer(self._ids, s, (1, s), np.int64)
+        ids, ids_value = self._buffer(self._ids, s, (1, s), np.int64, self._ids_buf)
         ids[0] = tokens
         logits, logits_value = self._buffer(self._out, n, (1, n, self._vocab), np.float32, self._logits_buf)
         self._seqlens[0] = end - 1

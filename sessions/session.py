@@ -273,6 +273,7 @@ class Session:
             run0 = target.run_seconds + (spec.run_seconds if spec else 0.0)  # decode only, like decode_seconds
             greedy = ctx.params.greedy
             k_now = k
+            feed_buf = np.empty(K_MAX + 1, np.int64)  # the pending token and the drafts of a round
             while True:
                 generated = len(ctx.tokens) - prompt_len
                 budget = min(max_new - generated, self.manifest.max_positions - len(ctx.tokens))
@@ -284,7 +285,7 @@ class Session:
                 proposal = spec.propose(ctx, k_eff) if k_eff > 0 else _NOTHING
                 t1 = time.perf_counter()
                 drafted = proposal.tokens
-                feed = np.empty(len(drafted) + 1, np.int64)
+                feed = feed_buf[:len(drafted) + 1]
                 feed[0] = ctx.tokens[-1]
                 feed[1:] = drafted
                 logits = target.forward(feed)
