@@ -3,7 +3,7 @@
 Steps: resolve the source → pick its family (families.py) → load → export the
 graph (the family's steps: optimum-onnx and a fp16 / int8 variant, or rlxrt's
 own recurrent graph) → assemble the manifest → validate against PyTorch →
-write (manifest, tokenizer). The directory is assembled under a temporary name
+write (manifest, tokenizer, chat template). The directory is assembled under a temporary name
 and renamed into place at the end, so a failure half way leaves nothing that
 looks like a model.
 """
@@ -20,6 +20,7 @@ from typing import Callable
 from rlxrt.errors import ExportError, RlxrtError
 from rlxrt.manifest import Manifest
 
+from .chat_template import save_chat
 from .deps import require_export_stack, versions
 from .families import FAMILIES, family_for
 from .fused import TASK as FUSED_TASK
@@ -153,6 +154,7 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
             family.export(steps, torch, model, final / GRAPH, variant, with_hidden_states)
             layout, task = family.layout(model, final / GRAPH, variant, with_hidden_states), family.task
         manifest = assemble_manifest(config, task, layout, src, src_dir, _save_tokenizer(transformers, src_dir, final))
+        manifest = replace(manifest, chat=save_chat(src_dir, final, manifest.eos_token_ids))
         if validate_export and torch is None:
             manifest = replace(manifest, validation={"skipped": True, "reason": "torch/transformers not installed"})
         elif validate_export:

@@ -17,3 +17,5 @@ MAX_STOP_LENGTH = 256
 """Characters of one stop string (1..this)."""
 MAX_STOP_TOKEN_IDS = 256
 """Extra stop token ids of one request."""
+MAX_CHAT_MESSAGES = 1024
+"""Messages of one chat request."""

@@ -117,6 +117,10 @@ class Manifest:
     draft_head: dict[str, Any] | None = None
     """For a draft head (not a language model): ``kind`` (``mtp``), ``hidden_size`` and the ``target``
     it was trained on (``path_or_id``, ``weights_sha256``); None for a model."""
+    chat: dict[str, Any] | None = None
+    """The chat template of an instruct model, or None: ``template`` (file name of the Jinja template),
+    ``bos_token`` and ``eos_token`` (the strings a template may use) and ``end_of_turn_ids`` (tokens that end
+    a reply: the model's EOS ids and the tokenizer's ``eos_token``, e.g. ``<|im_end|>``)."""
     schema: str = SCHEMA
 
     def to_dict(self) -> dict[str, Any]:

@@ -122,7 +122,7 @@ def parse(cls, data: Any, where: str):
                                "re-export the model with this version of rlxrt")
     known = {"architecture", "model_type", "vocab_size", "max_positions", "graph", "dtype", "inputs", "outputs",
              "kv_cache", "bos_token_id", "eos_token_ids", "pad_token_id", "tokenizer", "source", "versions",
-             "validation", "state", "draft_head", "graph_kind", "quantization", "schema"}
+             "validation", "state", "draft_head", "graph_kind", "quantization", "chat", "schema"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ModelFormatError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))} for schema {SCHEMA} "
@@ -170,6 +170,7 @@ def parse(cls, data: Any, where: str):
         hf.integer("hidden_size", 1)
         if hf.get("target", required=False) is not None:
             hf.sub("target", ("path_or_id", "weights_sha256")).strings(("path_or_id", "weights_sha256"))
+    chat = _chat(f, token) if f.get("chat", required=False) is not None else None
     inputs = f.names("inputs", ("input_ids",))
     if head is not None and not inputs.get("hidden_states"):
         raise ModelFormatError(f"{where}: a draft head needs field 'inputs.hidden_states'; {FIX}")
@@ -196,5 +197,15 @@ def parse(cls, data: Any, where: str):
         tokenizer=f.text("tokenizer", required=False, file_name=True),
         source=_source(f), versions=f.table("versions", required=False) or {},
         validation=f.table("validation", required=False) or {}, state=state, draft_head=head, graph_kind=kind,
-        quantization=f.table("quantization", required=False),
+        quantization=f.table("quantization", required=False), chat=chat,
         schema=schema)
+
+
+def _chat(f: "_Fields", token: dict) -> dict:
+    c = f.sub("chat", ("template", "bos_token", "eos_token", "end_of_turn_ids"))
+    ends = c.get("end_of_turn_ids", required=False) or []
+    if not isinstance(ends, list):
+        raise c.fail("end_of_turn_ids", "a list of token ids", ends)
+    return {"template": c.text("template", file_name=True),
+            "bos_token": c.text("bos_token", required=False), "eos_token": c.text("eos_token", required=False),
+            "end_of_turn_ids": [c.integer(f"end_of_turn_ids[{i}]", value=t, **token) for i, t in enumerate(ends)]}

@@ -30,6 +30,7 @@ from rlxrt.speculator import Context, DraftProposal, Prefill, Speculator, Verify
 from rlxrt.stats import RequestStats
 from rlxrt.textstream import TextStream
 
+from .chat import NO_TEMPLATE, ChatTemplate, chat_template_for
 from .state import decoder_for
 from .text import codec_for
 from .turns import Claim, Turns
@@ -133,6 +134,8 @@ class Session:
         self.target = decoder_for(graph)
         self.manifest = self.target.manifest
         self.codec = codec_for(graph)
+        self._graph = graph
+        self._chat: ChatTemplate | None = None
         self.k = self._check_k(k if k is not None else speculator.default_k if speculator else 4)
         self.adaptive_k = as_bool(adaptive_k, "adaptive_k")
         self.k_max = self._check_k(k_max if k_max is not None else max(self.k, min(2 * self.k, K_MAX)), "k_max")
@@ -197,6 +200,46 @@ class Session:
         ctx = Context(tokens=list(prompt_ids), params=params, rng=make_rng(seed))
         result = _Result(prompt_ids)
         return Stream(self._run(result, ctx, max_new, k, stops, stop_ids), result, self._turns)
+
+    def chat(self, messages: Sequence[dict], max_new_tokens: int = 128, **kwargs) -> Generation:
+        """Reply to ``messages`` ([{"role": "system" | "user" | "assistant", "content": text}, ...]) rendered
+        with the model's chat template; the model's end-of-turn token ends the reply. Takes generate's
+        keyword arguments."""
+        stream = self.chat_stream(messages, max_new_tokens, **kwargs)
+        with stream:
+            for _ in stream:
+                pass
+        assert stream.generation is not None
+        return stream.generation
+
+    def chat_stream(self, messages: Sequence[dict], max_new_tokens: int = 128, *,
+                    stop_token_ids: Sequence[int] | None = None, **kwargs) -> Stream:
+        """Like chat, but a ``Stream`` of text pieces (see ``stream``)."""
+        ids = self.chat_prompt(messages)
+        ends = list(self._chat_template().end_of_turn_ids)
+        if stop_token_ids is not None:
+            if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, Sequence):
+                raise GenerationError(f"stop_token_ids must be a list of token ids, got {stop_token_ids!r}")
+            ends += list(stop_token_ids)
+        return self.stream(ids, max_new_tokens, stop_token_ids=ends, **kwargs)
+
+    def chat_prompt(self, messages: Sequence[dict]) -> list[int]:
+        """The prompt token ids of ``messages`` under the model's chat template (with the assistant's opener)."""
+        text = self._chat_template().render(messages, add_generation_prompt=True)
+        assert self.codec is not None  # an export keeps a template only with its tokenizer
+        return self.codec.encode(text, add_special_tokens=False)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.manifest.chat)
+
+    def _chat_template(self) -> ChatTemplate:
+        if self._chat is None:
+            template = chat_template_for(self._graph)
+            if template is None:
+                raise GenerationError(NO_TEMPLATE)
+            self._chat = template
+        return self._chat
 
     # -- internals ------------------------------------------------------------------------------------------
     def _check_stops(self, stop) -> list[str]:

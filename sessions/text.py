@@ -16,8 +16,10 @@ class TextCodec:
             raise ModelFormatError(f"cannot read tokenizer {str(path)!r}: {exc}; re-export the model") from None
         self.path = path
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens=False`` for text that already holds them (a rendered
+        chat template writes its own BOS)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

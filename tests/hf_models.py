@@ -12,30 +12,34 @@ CORPUS = [
 ]
 
 
-def make_tokenizer(out: Path, vocab_size: int = 320):
-    """A byte-level BPE tokenizer saved as a fast Hugging Face tokenizer; returns its vocab size."""
+def make_tokenizer(out: Path, vocab_size: int = 320, chat_template: str | None = None):
+    """A byte-level BPE tokenizer saved as a fast Hugging Face tokenizer (with ``chat_template`` if given; the
+    chat tokens <|im_start|> and <|im_end|> are special tokens); returns its vocab size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"] + (["<|im_start|>", "<|im_end|>"] if chat_template else []),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS * 20, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    if chat_template is not None:
+        fast.chat_template = chat_template
+        fast.eos_token = "<|im_end|>"  # as instruct models ship it: the end-of-turn token is the tokenizer's EOS
     fast.save_pretrained(str(out))
     return tok.get_vocab_size()
 
 
 def make_model(family: str, out: Path, *, seed: int = 0, layers: int = 2, hidden: int = 64,
-               tokenizer: bool = True, init: float = 0.2):
+               tokenizer: bool = True, init: float = 0.2, chat_template: str | None = None):
     """Save a random-init causal LM of ``family`` (llama, qwen2, mistral, gpt2, mamba, falcon_mamba, jamba) in ``out``."""
     import torch
     import transformers as tf
 
     out.mkdir(parents=True, exist_ok=True)
-    vocab = make_tokenizer(out) if tokenizer else 320
+    vocab = make_tokenizer(out, chat_template=chat_template) if tokenizer else 320
     common = dict(vocab_size=vocab, bos_token_id=0, eos_token_id=1, pad_token_id=2, initializer_range=init)
     if family == "falcon_mamba":
         cfg = tf.FalconMambaConfig(hidden_size=hidden, num_hidden_layers=layers, state_size=8, expand=2,

@@ -193,6 +193,10 @@ def _set(path: str, value):
 
 
 MANIFESTS = [
+    ("chat", _set("chat", "ChatML"), ["chat", "JSON object"]),
+    ("chat", _set("chat", {"template": "../t.jinja"}), ["chat.template", "no path"]),
+    ("chat", _set("chat", {"template": "t.jinja", "end_of_turn_ids": [5000]}), ["chat.end_of_turn_ids[0]", "5000"]),
+    ("chat", _set("chat", {"template": "t.jinja", "roles": []}), ["chat", "roles"]),
     ("vocab_size", _set("vocab_size", "4096"), ["vocab_size", "'4096'"]),
     ("vocab_size", _set("vocab_size", 0), ["vocab_size", "got 0"]),
     ("vocab_size", _set("vocab_size", 4000), ["vocab_size is 4000", "4096"]),

@@ -99,8 +99,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = _prompt(args)
     config = _config(args)
     session = Session(args.target, _speculator(args, config), config, k=args.k, adaptive_k=args.adaptive_k)
+    if args.chat or args.system is not None:
+        if not session.has_chat_template:
+            raise UsageError(f"--chat: {args.target!r} has no chat template (its source had none); drop --chat "
+                             "and --system to continue the prompt as plain text")
+        system = [{"role": "system", "content": args.system}] if args.system is not None else []
+        prompt = session.chat_prompt(system + [{"role": "user", "content": prompt}])
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    if args.chat or args.system is not None:
+        kwargs["stop_token_ids"] = list(session.manifest.chat["end_of_turn_ids"])
     if args.json:
         g = session.generate(prompt, **kwargs)
         json.dump({"text": g.text, "token_ids": g.token_ids, "finish_reason": g.finish_reason,
@@ -298,6 +306,9 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--draft-providers", help="providers for the draft model or head (default: as the target)")
     runtime_flags(p)
+    p.add_argument("--chat", action="store_true", help="render the prompt as a user message with the model's "
+                   "chat template; the reply ends at its end-of-turn token")
+    p.add_argument("--system", help="a system message before the prompt (implies --chat)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
 
     p = add("demo", cmd_demo, "stream a completion with the shipped reference pair and show the speedup")

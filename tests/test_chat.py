@@ -1,0 +1,133 @@
+"""Chat templates: rendering equals transformers' apply_chat_template; export keeps the template; Session.chat
+and `rlxrt generate --chat` end at the end-of-turn token; a model without a template gets a clear error."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlxrt.errors import GenerationError
+
+# SmolLM2-Instruct's ChatML template (a default system message when none is given)
+CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+          "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+          "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# bos_token, loop controls, tojson with non-ASCII text and raise_exception, as Llama-3-style templates use them
+FANCY = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}"
+         "{% endif %}{% if m['content'] == 'skip' %}{% continue %}{% endif %}"
+         "[{{ m['role'] | upper }}] {{ m['content'] | trim }} {{ m['content'] | tojson }}{{ eos_token }}\n"
+         "{% endfor %}{% if add_generation_prompt %}[ASSISTANT]{% endif %}")
+MESSAGES = [
+    [{"role": "user", "content": "Write a function that adds two numbers."}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "  Ünïcödé → 数学 ✓  "},
+     {"role": "assistant", "content": "ok"}, {"role": "user", "content": "skip"},
+     {"role": "user", "content": "again"}],
+]
+
+
+def _tokenizer(tmp_path, template):
+    from hf_models import make_tokenizer
+    from transformers import AutoTokenizer
+
+    make_tokenizer(tmp_path, chat_template=template)
+    return AutoTokenizer.from_pretrained(str(tmp_path))
+
+
+@pytest.mark.parametrize("template", [CHATML, FANCY], ids=["chatml", "fancy"])
+@pytest.mark.parametrize("messages", MESSAGES, ids=["one", "many"])
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_rendering_equals_transformers(tmp_path, template, messages, generation_prompt):
+    pytest.importorskip("transformers")
+    from rlxrt.sessions.chat import ChatTemplate
+
+    hf = _tokenizer(tmp_path, template)
+    (tmp_path / "t.jinja").write_text(template)
+    ours = ChatTemplate(tmp_path, {"template": "t.jinja", "bos_token": hf.bos_token, "eos_token": hf.eos_token})
+    want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    assert ours.render(messages, add_generation_prompt=generation_prompt) == want
+
+
+def test_template_errors_are_typed(tmp_path):
+    from rlxrt.errors import ModelFormatError
+    from rlxrt.sessions.chat import ChatTemplate
+
+    (tmp_path / "t.jinja").write_text(FANCY)
+    t = ChatTemplate(tmp_path, {"template": "t.jinja"})
+    with pytest.raises(GenerationError, match="no tools"):
+        t.render([{"role": "tool", "content": "x"}])
+    for bad, words in [("hi", "list of"), ([], "empty"), ([{"content": "x"}], "messages[0]['role']"),
+                       ([{"role": "user", "content": 3}], "messages[0]['content'] must be text"),
+                       ([{"role": "user", "content": "a"}, "b"], "messages[1] must be a dict")]:
+        with pytest.raises(GenerationError, match=words.replace("[", r"\[").replace("]", r"\]")):
+            t.render(bad)
+    (tmp_path / "bad.jinja").write_text("{% for %}")
+    with pytest.raises(ModelFormatError, match="does not parse"):
+        ChatTemplate(tmp_path, {"template": "bad.jinja"})
+    with pytest.raises(ModelFormatError, match="missing.jinja"):
+        ChatTemplate(tmp_path, {"template": "missing.jinja"})
+
+
+@pytest.mark.export
+def test_export_keeps_template_and_chat_ends_at_end_of_turn(exported, tmp_path):
+    from transformers import AutoTokenizer
+
+    from rlxrt.sessions import PromptLookup, Session
+
+    model = exported("llama", seed=3, chat_template=CHATML)
+    manifest = json.loads((model / "rlxrt.json").read_text())
+    hf = AutoTokenizer.from_pretrained(str(model))
+    im_end = hf.convert_tokens_to_ids("<|im_end|>")
+    assert manifest["chat"] == {"template": "chat_template.jinja", "bos_token": "<s>", "eos_token": "<|im_end|>",
+                                "end_of_turn_ids": [1, im_end]}
+    assert (model / "chat_template.jinja").read_text() == CHATML
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def add(a, b):"}]
+    plain = Session(model)
+    want_ids = hf.apply_chat_template(messages, add_generation_prompt=True)
+    assert plain.chat_prompt(messages) == list(want_ids)
+    g = plain.chat(messages, max_new_tokens=40, ignore_eos=False)
+    # the same request as ids with the end-of-turn ids as stop tokens
+    ref = plain.generate(list(want_ids), max_new_tokens=40, stop_token_ids=[im_end])
+    assert (g.text, g.token_ids, g.finish_reason) == (ref.text, ref.token_ids, ref.finish_reason)
+    spec = Session(model, PromptLookup()).chat(messages, max_new_tokens=40)
+    assert spec.token_ids == g.token_ids
+    # a forced end-of-turn: every reply that emits <|im_end|> ends there
+    forced = plain.chat(messages, max_new_tokens=40, temperature=1.0, seed=1)
+    assert im_end not in forced.token_ids[:-1] and 1 not in forced.token_ids[:-1]
+    with pytest.raises(GenerationError, match="stop_token_ids"):
+        plain.chat(messages, stop_token_ids=5)
+    with pytest.raises(GenerationError, match="messages is empty"):
+        plain.chat([])
+    assert plain.chat(messages, max_new_tokens=3).token_ids  # the session still serves
+
+
+@pytest.mark.export
+def test_generate_chat_cli(exported, capsys):
+    from rlxrt.app.cli import main
+    from rlxrt.sessions import Session
+
+    model = exported("llama", seed=3, chat_template=CHATML)
+    rc = main(["generate", "--target", str(model), "--prompt", "def add(a, b):", "--system", "Be brief.",
+               "--max-new-tokens", "20", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    want = Session(model).chat([{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": "def add(a, b):"}], max_new_tokens=20)
+    assert out["token_ids"] == want.token_ids and out["text"] == want.text
+
+
+def test_no_template_is_a_clear_error(capsys):
+    from rlxrt.app.cli import main
+    from rlxrt.app.reference import reference_pair
+    from rlxrt.sessions import Session
+
+    target, _ = reference_pair()
+    s = Session(target)
+    assert not s.has_chat_template
+    with pytest.raises(GenerationError, match="no chat template.*plain prompt"):
+        s.chat([{"role": "user", "content": "hi"}])
+    assert s.generate("def f(", max_new_tokens=2).token_ids  # still usable
+    rc = main(["generate", "--target", str(target), "--prompt", "hi", "--chat"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "no chat template" in err and "drop --chat" in err
