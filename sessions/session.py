@@ -159,6 +159,15 @@ class Session:
     def _spec_name(self) -> str:
         return self.speculator.name if self.speculator is not None else "none"
 
+    @property
+    def speculator_name(self) -> str:
+        """The speculator's name (``draft``, ``prompt-lookup``, ``mtp``) or ``none`` for plain decoding."""
+        return self._spec_name
+
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """The checked token ids of ``prompt`` (text or ids), as a request would run it."""
+        return self._prompt_ids(prompt)
+
     @staticmethod
     def _check_k(k, name: str = "k (tokens drafted per round)") -> int:
         return as_int(k, name, 1, K_MAX)

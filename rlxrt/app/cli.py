@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .commands import add_commands
 
     add_commands(add, runtime_flags)
+    from .serve.command import add_serve_commands
+
+    add_serve_commands(add, runtime_flags)
     return parser
 
 

@@ -1,0 +1,210 @@
+"""The FastAPI application: OpenAI's completions and chat completions (plain JSON or server-sent events ending
+in ``[DONE]``), models, health and Prometheus metrics, over a ``Pool`` of Sessions."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+
+from rlxrt.errors import GenerationError, RlxrtError
+
+from . import protocol as api
+from .metrics import Metrics
+from .pool import Closed, Job, Pool, QueueFull, Work
+
+log = logging.getLogger("rlxrt.serve")
+POLL = 0.25
+"""Seconds between checks that a waiting client is still connected."""
+
+
+class Server:
+    """What the routes share: the pool, the served model's name, the metrics, the request timeout."""
+
+    def __init__(self, pool: Pool, model: str, metrics: Metrics, request_timeout: float, retry_after: int = 1):
+        self.pool, self.model, self.metrics = pool, model, metrics
+        self.request_timeout, self.retry_after = request_timeout, retry_after
+        s = pool.session
+        self.session = s
+        self.max_positions = s.manifest.max_positions
+
+    def work(self, req: api.Request) -> Work:
+        """The prompt ids and generation arguments of a checked request (400 for what only the model can
+        refuse: no tokenizer, no chat template, a prompt too long, token ids out of range)."""
+        s = self.session
+        try:
+            if req.chat:
+                if not s.has_chat_template:
+                    raise api.ApiError(400, f"model {self.model!r} has no chat template (its export kept none); use "
+                                            "/v1/completions with a plain prompt", "messages")
+                ids = s.chat_prompt(req.messages)
+                extra = list(s.manifest.chat["end_of_turn_ids"])
+            else:
+                ids = s.prompt_ids(req.prompt)
+                extra = []
+        except GenerationError as exc:
+            raise api.ApiError(400, str(exc), "messages" if req.chat else "prompt") from None
+        if len(ids) >= self.max_positions:
+            raise api.ApiError(400, f"the prompt has {len(ids)} tokens; the model's context is {self.max_positions} "
+                                    "tokens", "messages" if req.chat else "prompt")
+        max_new = req.max_tokens if req.max_tokens is not None else self.max_positions - len(ids)
+        kwargs = dict(max_new_tokens=max_new, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                      seed=req.seed, stop=req.stop or None, stop_token_ids=extra or None, ignore_eos=req.ignore_eos)
+        return Work(ids, kwargs)
+
+    def submit(self, work: Work) -> Job:
+        job = Job(work, asyncio.get_running_loop(), deadline=time.monotonic() + self.request_timeout)
+        try:
+            self.pool.submit(job)
+        except QueueFull as exc:
+            self.metrics.rejected_one()
+            raise api.ApiError(429, str(exc), None, "rate_limit_exceeded",
+                               {"Retry-After": str(self.retry_after)}) from None
+        except Closed as exc:
+            raise api.ApiError(503, str(exc), None, "service_unavailable") from None
+        return job
+
+
+async def _next_event(job: Job, request) -> tuple[str, Any]:
+    """The job's next event; a client that went away cancels the job (its worker stops at the next round)."""
+    while True:
+        try:
+            return await asyncio.wait_for(job.events.get(), POLL)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                job.cancel.set()
+                return "disconnected", None
+
+
+def _failure(kind: str, value: Any) -> api.ApiError:
+    if kind == "timeout":
+        return api.ApiError(504, "the request ran past the server's --request-timeout; ask for fewer tokens",
+                            None, "timeout")
+    if isinstance(value, GenerationError):
+        return api.ApiError(400, str(value))
+    if isinstance(value, RlxrtError):
+        return api.ApiError(500, f"{type(value).__name__}: {value}", None, "server_error")
+    log.error("request failed", exc_info=value)
+    return api.ApiError(500, f"internal error ({type(value).__name__}); see the server log", None, "server_error")
+
+
+def build_app(server: Server):
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        await asyncio.to_thread(server.pool.close)  # in-flight requests have finished (uvicorn waited for them)
+
+    app = FastAPI(title="rlxrt", lifespan=lifespan)
+
+    def error(exc: api.ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(api.ApiError)
+    async def on_api_error(request, exc: api.ApiError):
+        return error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request, exc):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(api.error_body(str(exc.detail), kind, None, exc.status_code), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request, exc):
+        where = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in exc.errors())
+        return JSONResponse(api.error_body(f"invalid request: {where}", "invalid_request_error"), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def on_bug(request, exc):
+        log.error("internal error", exc_info=exc)
+        return JSONResponse(api.error_body(f"internal error ({type(exc).__name__}); see the server log",
+                                           "server_error", None, 500), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        p = server.pool
+        return {"status": "ok", "model": server.model, "workers": len(p.sessions), "running": p.running,
+                "waiting": p.waiting}
+
+    @app.get("/v1/models")
+    async def models():
+        m = server.session.manifest
+        return {"object": "list", "data": [{"id": server.model, "object": "model", "created": 0, "owned_by": "rlxrt",
+                                            "max_model_len": m.max_positions,
+                                            "speculator": server.session.speculator_name}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        data, content_type = server.metrics.exposition()
+        return Response(data, media_type=content_type)
+
+    async def generate(request: Request, chat: bool):
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise api.ApiError(400, "the request body is not JSON") from None
+        req = api.parse(body, chat, server.model)
+        job = server.submit(server.work(req))
+        rid = api.new_id(chat)
+        kind, value = await _next_event(job, request)  # "start" once the worker took it and the arguments held
+        if kind == "disconnected":
+            return Response(status_code=499)
+        if kind != "start":
+            raise _failure(kind, value)
+        if req.stream:
+            return StreamingResponse(_sse(server, req, rid, job, request), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        while True:
+            kind, value = await _next_event(job, request)
+            if kind == "done":
+                return api.response(req, rid, server.model, value)
+            if kind == "disconnected":
+                return Response(status_code=499)
+            if kind != "text":
+                raise _failure(kind, value)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    return app
+
+
+async def _sse(server: Server, req: api.Request, rid: str, job: Job, request) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def event(obj) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    try:
+        if req.chat:
+            yield event(api.chunk(req, rid, server.model, created, role=True))
+        while True:
+            kind, value = await _next_event(job, request)
+            if kind == "text":
+                yield event(api.chunk(req, rid, server.model, created, text=value))
+            elif kind == "done":
+                yield event(api.chunk(req, rid, server.model, created, reason=api.finish_reason(value)))
+                if req.include_usage:
+                    yield event(api.usage_chunk(req, rid, server.model, created, value))
+                break
+            elif kind == "disconnected":
+                return
+            else:
+                yield event(_failure(kind, value).body())
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancel.set()  # a no-op when the job ended; otherwise the client went away mid-stream

@@ -1,0 +1,2 @@
+def add_bench_serve(add, model_flags):
+    pass

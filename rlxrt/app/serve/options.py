@@ -1,0 +1,78 @@
+"""What a server (or one Ray replica) is built from, and how: ``ServeOptions`` is plain data (it travels to Ray
+replicas); ``make_server`` compiles the graphs once and gives every worker its own Session on them."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlxrt.config import Config
+from rlxrt.errors import UsageError
+
+SPECULATORS = ("draft", "prompt-lookup", "mtp", "none")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    target: str
+    """Target model directory."""
+    speculator: str = "none"
+    """draft, prompt-lookup, mtp or none (plain decoding)."""
+    draft: str | None = None
+    """Draft model directory (speculator draft) or MTP head directory (speculator mtp)."""
+    k: int | None = None
+    """Tokens drafted per round (None: the speculator's default)."""
+    config: Config = Config()
+    workers: int = 1
+    """Sessions (and worker threads) of one server or replica."""
+    max_queue: int = 64
+    """Requests admitted beyond the busy workers before 429."""
+    request_timeout: float = 600.0
+    """Seconds from arrival after which a request ends with 504 (checked every round)."""
+    model_name: str | None = None
+    """The model id clients send (default: the target directory's name)."""
+
+    def __post_init__(self):
+        if self.speculator not in SPECULATORS:
+            raise UsageError(f"speculator {self.speculator!r} is unknown; use one of {', '.join(SPECULATORS)}")
+        if self.speculator in ("draft", "mtp") and not self.draft:
+            raise UsageError(f"speculator {self.speculator} needs {'--draft' if self.speculator == 'draft' else '--head'} DIR")
+        if not 1 <= self.workers <= 256:
+            raise UsageError(f"--workers must be in 1..256, got {self.workers}")
+        if not 0 <= self.max_queue <= 1_000_000:
+            raise UsageError(f"--max-queue must be in 0..1000000, got {self.max_queue}")
+        if not 0 < self.request_timeout <= 86_400:
+            raise UsageError(f"--request-timeout must be in (0, 86400] seconds, got {self.request_timeout}")
+
+    @property
+    def name(self) -> str:
+        return self.model_name or Path(self.target).resolve().name
+
+
+def default_threads(workers: int) -> int:
+    """Intra-op threads per worker: the cores shared out among the workers (at least 1)."""
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
+def make_server(opts: ServeOptions):
+    from rlxrt.backends import compile
+    from rlxrt.sessions import DraftModel, MtpHead, PromptLookup, Session
+
+    from .app import Server
+    from .metrics import Metrics
+    from .pool import Pool
+
+    config = opts.config
+    target = compile(opts.target, config)
+    helper = compile(opts.draft, config) if opts.speculator in ("draft", "mtp") else None
+
+    def make_session():
+        spec = (DraftModel(helper, config) if opts.speculator == "draft" else
+                MtpHead(helper, config) if opts.speculator == "mtp" else
+                PromptLookup() if opts.speculator == "prompt-lookup" else None)
+        return Session(target, spec, config, k=opts.k)
+
+    holder = {}
+    metrics = Metrics(opts.name, lambda: holder["pool"])
+    pool = holder["pool"] = Pool(make_session, opts.workers, opts.max_queue, metrics.record)
+    return Server(pool, opts.name, metrics, opts.request_timeout)

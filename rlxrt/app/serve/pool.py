@@ -1,0 +1,156 @@
+"""A pool of worker threads, each owning one Session, behind a bounded queue.
+
+A request is a ``Job``: the worker runs it round by round and hands its events (``start``, text pieces, the
+final ``Generation`` or an error) to the event loop that waits for them. Between rounds the worker checks
+whether the client went away (``cancel``) or the request ran past its deadline, so a disconnected or timed-out
+request frees its worker at the next round. Sessions are one per worker (a Session serves one request at a
+time); they share the compiled graphs, which ONNX Runtime runs from several threads at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from rlxrt.errors import RlxrtError
+
+
+@dataclass
+class Work:
+    """What to generate: prompt token ids and Session.stream's keyword arguments."""
+
+    prompt_ids: list[int]
+    kwargs: dict[str, Any]
+
+
+class QueueFull(RlxrtError):
+    """Every worker is busy and the queue is full: the client should retry later (HTTP 429)."""
+
+
+class Closed(RlxrtError):
+    """The pool is shutting down and takes no new requests (HTTP 503)."""
+
+
+@dataclass
+class Job:
+    work: Work
+    loop: asyncio.AbstractEventLoop
+    deadline: float
+    """time.monotonic() after which the request ends as timed out."""
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    """Set when the client went away: the worker stops at its next round."""
+    arrived: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    timed_out: bool = False
+
+    def emit(self, kind: str, value: Any = None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is waiting any more
+            self.cancel.set()
+
+
+class Pool:
+    """``workers`` threads, each with a Session from ``make_session()``; at most ``workers + max_queue``
+    requests are admitted at once (``submit`` raises QueueFull beyond that). ``on_done(job, generation)``
+    is called on the worker thread when a request ends (metrics)."""
+
+    def __init__(self, make_session: Callable[[], Any], workers: int, max_queue: int,
+                 on_done: Callable[[Job, Any], None] | None = None):
+        self.sessions = [make_session() for _ in range(workers)]
+        self.max_queue = max_queue
+        self.capacity = workers + max_queue
+        self._on_done = on_done
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._admitted = 0
+        self._running = 0
+        self._closed = False
+        self._threads = [threading.Thread(target=self._serve, args=(s,), name=f"rlxrt-worker-{i}", daemon=True)
+                         for i, s in enumerate(self.sessions)]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def session(self):
+        """A Session of the pool, for what every worker shares (manifest, tokenizer, chat template)."""
+        return self.sessions[0]
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    @property
+    def waiting(self) -> int:
+        return self._admitted - self._running
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            if self._closed:
+                raise Closed("the server is shutting down; retry on another instance")
+            if self._admitted >= self.capacity:
+                raise QueueFull(f"all {len(self.sessions)} workers are busy and {self.max_queue} requests are "
+                                "queued; retry later")
+            self._admitted += 1
+        self._queue.put(job)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Take no new requests, let the admitted ones finish, then stop the workers."""
+        with self._lock:
+            self._closed = True
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join(timeout)
+
+    # -- worker threads -------------------------------------------------------------------------------------
+    def _serve(self, session) -> None:
+        while (job := self._queue.get()) is not None:
+            with self._lock:
+                self._running += 1
+            generation = None
+            try:
+                generation = self._run(session, job)
+            except RlxrtError as exc:
+                job.emit("error", exc)
+            except Exception as exc:  # a bug: report it to the client as a server error, keep serving
+                job.emit("error", exc)
+            finally:
+                with self._lock:
+                    self._running -= 1
+                    self._admitted -= 1
+                if self._on_done is not None:
+                    self._on_done(job, generation)
+
+    @staticmethod
+    def _run(session, job: Job):
+        if job.cancel.is_set():
+            return None
+        if time.monotonic() > job.deadline:
+            job.timed_out = True
+            job.emit("timeout")
+            return None
+        w = job.work
+        stream = session.stream(w.prompt_ids, **w.kwargs)
+        job.emit("start")
+        with stream:
+            for piece in stream:
+                if job.first_token is None:
+                    job.first_token = time.monotonic()
+                if piece:
+                    job.emit("text", piece)
+                if job.cancel.is_set():
+                    break
+                if time.monotonic() > job.deadline:
+                    job.timed_out = True
+                    break
+        g = stream.generation
+        if job.timed_out:
+            job.emit("timeout", g)
+        else:
+            job.emit("done", g)
+        return g

@@ -1,0 +1,51 @@
+"""Starting a server: in this process with uvicorn, or as a Ray Serve application of N replicas."""
+from __future__ import annotations
+
+import sys
+
+from .options import ServeOptions, make_server
+
+
+def serve_uvicorn(opts: ServeOptions, host: str, port: int, log_level: str = "info",
+                  graceful_seconds: float | None = None) -> None:
+    """Serve until SIGINT/SIGTERM; then stop accepting, let in-flight requests finish (at most
+    ``graceful_seconds``, default the request timeout) and stop the workers."""
+    import uvicorn
+
+    from .app import build_app
+
+    server = make_server(opts)
+    spec = server.session.speculator_name
+    print(f"rlxrt: serving {server.model!r} on http://{host}:{port}/v1 ({opts.workers} worker(s), speculator "
+          f"{spec}, providers {', '.join(server.session.target.providers)})", file=sys.stderr, flush=True)
+    uvicorn.run(build_app(server), host=host, port=port, log_level=log_level,
+                timeout_graceful_shutdown=graceful_seconds if graceful_seconds is not None else opts.request_timeout)
+
+
+def serve_ray(opts: ServeOptions, host: str, port: int, replicas: int, address: str | None = None) -> None:
+    """Run the same app on Ray Serve: ``replicas`` replicas, each owning ``opts.workers`` Sessions, behind Ray's
+    HTTP proxy on host:port; blocks until interrupted."""
+    import ray
+    from ray import serve
+
+    from .ray_app import deployment
+
+    ray.init(address=address, include_dashboard=False, configure_logging=False,
+             **({} if address else {"num_cpus": max(replicas, 1)}))
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(deployment(opts, replicas), name="rlxrt", route_prefix="/", blocking=False)
+    print(f"rlxrt: Ray Serve is serving {opts.name!r} on http://{host}:{port}/v1 ({replicas} replica(s) x "
+          f"{opts.workers} worker(s))", file=sys.stderr, flush=True)
+    try:
+        import signal
+        import threading
+
+        done = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: done.set())
+        while not done.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
