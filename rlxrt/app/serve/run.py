@@ -34,7 +34,9 @@ def serve_ray(opts: ServeOptions, host: str, port: int, replicas: int, address: 
              **({} if address else {"num_cpus": max(replicas, 1)}))
     serve.start(http_options={"host": host, "port": port})
     serve.run(deployment(opts, replicas), name="rlxrt", route_prefix="/", blocking=False)
-    print(f"rlxrt: Ray Serve is serving {opts.name!r} on http://{host}:{port}/v1 ({replicas} replica(s) x "
+    states = serve.status().applications["rlxrt"].deployments["rlxrt"].replica_states
+    running = states.get("RUNNING", 0)
+    print(f"rlxrt: Ray Serve is serving {opts.name!r} on http://{host}:{port}/v1 ({running} replica(s) running x "
           f"{opts.workers} worker(s))", file=sys.stderr, flush=True)
     try:
         import signal

@@ -1,0 +1,260 @@
+"""`rlxrt serve` through the official openai client: a real uvicorn server on 127.0.0.1, the shipped pair's
+real ONNX graphs. Every answer is compared with the same request run directly on a Session."""
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from serving import Running, options, with_chat_template  # noqa: E402
+
+from rlxrt.app.reference import reference_pair, reference_prompts  # noqa: E402
+from rlxrt.config import Config  # noqa: E402
+from rlxrt.sessions import DraftModel, Session  # noqa: E402
+
+TARGET, DRAFT = reference_pair()
+PROMPTS = reference_prompts()
+CPU = Config(providers=("cpu",), intra_op_threads=1, cache=False)
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory):
+    return with_chat_template(TARGET, tmp_path_factory.mktemp("chat") / "target")
+
+
+@pytest.fixture(scope="module")
+def spec(chat_target):
+    """A speculative server (the shipped draft, k=4, 2 workers) on a target with a chat template."""
+    server = Running(options(chat_target, "draft", DRAFT))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def direct(chat_target):
+    return Session(chat_target, DraftModel(DRAFT, CPU), CPU)
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return r.read().decode()
+
+
+def test_completion_equals_session(spec, direct):
+    c = spec.client()
+    r = c.completions.create(model="m", prompt=PROMPTS[0], max_tokens=40, temperature=0)
+    g = direct.generate(PROMPTS[0], max_new_tokens=40)
+    assert r.choices[0].text == g.text and r.choices[0].finish_reason == ("length" if g.finish_reason == "length"
+                                                                           else "stop")
+    u = r.usage
+    assert (u.prompt_tokens, u.completion_tokens) == (len(g.prompt_token_ids), len(g.token_ids))
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    s = u.model_extra["speculative"]
+    assert s["speculator"] == "draft-model" and s["draft_tokens"] == g.stats.drafted
+    assert s["accepted_tokens"] == g.stats.accepted and s["accepted_per_position"] == g.stats.accepted_per_position
+    assert 0 < s["acceptance_rate"] <= 1 and s["drafts"] == g.stats.drafted_per_position[0]
+    models = c.models.list()
+    assert [m.id for m in models.data] == ["m"]
+
+
+def test_chat_and_streaming(spec, direct):
+    c = spec.client()
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+    r = c.chat.completions.create(model="m", messages=messages, max_tokens=30, temperature=0)
+    g = direct.chat(messages, max_new_tokens=30)
+    assert r.choices[0].message.content == g.text and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == len(g.token_ids)
+    chunks = list(c.chat.completions.create(model="m", messages=messages, max_tokens=30, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == g.text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] in ("stop", "length")
+    assert chunks[-1].usage.completion_tokens == len(g.token_ids)
+    pieces = [ch.choices[0].text for ch in c.completions.create(model="m", prompt=PROMPTS[1], max_tokens=50,
+                                                                temperature=0, stream=True)]
+    whole = c.completions.create(model="m", prompt=PROMPTS[1], max_tokens=50, temperature=0).choices[0].text
+    assert "".join(pieces) == whole and len(pieces) > 3
+
+
+def test_stop_strings_and_seeds(spec, direct):
+    c = spec.client()
+    full = direct.generate(PROMPTS[0], max_new_tokens=60).text
+    stop = full.strip()[3:6]
+    assert stop
+    r = c.completions.create(model="m", prompt=PROMPTS[0], max_tokens=60, temperature=0, stop=[stop, "@@@"])
+    want = direct.generate(PROMPTS[0], max_new_tokens=60, stop=[stop, "@@@"])
+    assert r.choices[0].text == want.text and stop not in r.choices[0].text and r.choices[0].finish_reason == "stop"
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="m", prompt=PROMPTS[0], max_tokens=60, temperature=0, stop=stop, stream=True))
+    assert streamed == want.text
+    draws = [c.completions.create(model="m", prompt=PROMPTS[2], max_tokens=30, temperature=0.9, seed=s).choices[0].text
+             for s in (7, 7, 8, 9)]
+    assert draws[0] == draws[1] == direct.generate(PROMPTS[2], max_new_tokens=30, temperature=0.9, seed=7).text
+    assert len(set(draws)) > 1  # other seeds give other samples (3 equal 30-token samples would be a bug)
+    top_k = c.completions.create(model="m", prompt=PROMPTS[2], max_tokens=20, temperature=0.9, seed=3,
+                                 extra_body={"top_k": 5}).choices[0].text
+    assert top_k == direct.generate(PROMPTS[2], max_new_tokens=20, temperature=0.9, seed=3, top_k=5).text
+
+
+BAD = [
+    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": "ten"}, "max_tokens"), ({"temperature": -1}, "temperature"),
+    ({"temperature": 3}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"n": 2}, "n"), ({"seed": "x"}, "seed"), ({"stop": [""]}, "stop"), ({"stop": ["a"] * 17}, "stop"),
+    ({"stop": 5}, "stop"), ({"stream": "yes"}, "stream"), ({"logprobs": 3}, "logprobs"),
+    ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": 1}, "frequency_penalty"),
+    ({"logit_bias": {"5": 10}}, "logit_bias"), ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"),
+    ({"top_k": -1}, "top_k"), ({"wibble": 1}, "wibble"), ({"prompt": ""}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": [5, 99999]}, "prompt"), ({"prompt": "x " * 3000}, "prompt"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+]
+
+
+@pytest.mark.parametrize("fields,param", BAD, ids=[f"{p}-{i}" for i, (_, p) in enumerate(BAD)])
+def test_bad_fields_are_400s(spec, fields, param):
+    c = spec.client()
+    body = {"prompt": "def f(", "max_tokens": 4, **fields}
+    prompt = body.pop("prompt")
+    with pytest.raises(openai.BadRequestError) as err:
+        c.completions.create(model="m", prompt=prompt, extra_body=body)
+    e = err.value
+    assert e.status_code == 400 and e.body["param"] == param and param in e.body["message"]
+    assert "Traceback" not in e.message
+
+
+def test_chat_errors_and_health(spec):
+    c = spec.client()
+    for messages, param in [([], "messages"), ([{"role": "user"}], "messages[0].content"),
+                            ([{"content": "x"}], "messages[0]")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            c.chat.completions.create(model="m", messages=messages)
+        assert err.value.body["param"] == param
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    plain = Running(options(TARGET))  # the shipped target has no chat template
+    try:
+        with pytest.raises(openai.BadRequestError, match="no chat template"):
+            plain.client().chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        req = urllib.request.Request(f"{plain.url}/v1/completions", data=b"{not json", method="POST",
+                                     headers={"content-type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=10)
+        assert err.value.code == 400 and b"not JSON" in err.value.read()
+    finally:
+        plain.stop()
+    assert '"status":"ok"' in _get(f"{spec.url}/health")
+
+
+def _long_stream(client, tokens=900):
+    return client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=tokens, temperature=0, stream=True,
+                                     extra_body={"ignore_eos": True})
+
+
+def _wait(predicate, seconds=20.0):
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.05)
+
+
+def test_queue_full_is_429_and_disconnect_frees_the_worker():
+    server = Running(options(TARGET, workers=1, max_queue=1))
+    try:
+        c = server.client()
+        busy = _long_stream(c)
+        next(iter(busy))  # the worker runs it
+        queued = threading.Thread(target=lambda: c.completions.create(model="m", prompt="x", max_tokens=2))
+        queued.start()
+        _wait(lambda: server.server.pool.waiting == 1)
+        with pytest.raises(openai.RateLimitError) as err:
+            c.completions.create(model="m", prompt="x", max_tokens=2)
+        assert err.value.response.headers["retry-after"] == "1"
+        busy.close()  # the client goes away mid-stream
+        queued.join(30)
+        assert not queued.is_alive()  # the worker was freed for the queued request
+        _wait(lambda: server.server.pool.running == 0 and server.server.pool.waiting == 0)
+        metrics = _get(f"{server.url}/metrics")
+        assert 'rlxrt:request_success_total{finished_reason="cancelled",model_name="m"} 1.0' in metrics
+        assert 'rlxrt:request_rejected_total{model_name="m"} 1.0' in metrics
+        assert c.completions.create(model="m", prompt="x", max_tokens=2).choices[0].text is not None
+    finally:
+        server.stop()
+
+
+def test_request_timeout_is_504():
+    server = Running(options(TARGET, workers=1, request_timeout=0.3))
+    try:
+        c = server.client()
+        with pytest.raises(openai.APIStatusError) as err:
+            c.completions.create(model="m", prompt=PROMPTS[0], max_tokens=1000, temperature=0,
+                                 extra_body={"ignore_eos": True})
+        assert err.value.status_code == 504
+        with pytest.raises(openai.APIError, match="request-timeout"):
+            list(_long_stream(c, 1000))
+        assert c.completions.create(model="m", prompt="x", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        server.stop()
+
+
+def test_32_concurrent_greedy_requests_equal_sequential(spec):
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(32)]
+    lengths = [10 + 3 * (i % 7) for i in range(32)]
+    c = spec.client()
+    sequential = [c.completions.create(model="m", prompt=p, max_tokens=n, temperature=0).choices[0].text
+                  for p, n in zip(prompts, lengths)]
+    out: list = [None] * 32
+
+    def one(i):
+        cc = spec.client()
+        if i % 2:
+            out[i] = "".join(ch.choices[0].text for ch in cc.completions.create(
+                model="m", prompt=prompts[i], max_tokens=lengths[i], temperature=0, stream=True))
+        else:
+            out[i] = cc.completions.create(model="m", prompt=prompts[i], max_tokens=lengths[i],
+                                           temperature=0).choices[0].text
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert out == sequential
+
+
+def test_metrics_match_responses(chat_target):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    server = Running(options(chat_target, "draft", DRAFT))
+    try:
+        c = server.client()
+        usages = [c.completions.create(model="m", prompt=p, max_tokens=24, temperature=t, seed=1).usage
+                  for p in PROMPTS[:3] for t in (0, 0.8)]
+        usages.append(list(c.completions.create(model="m", prompt=PROMPTS[3], max_tokens=24, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))[-1].usage)
+        families = {f.name: f for f in text_string_to_metric_families(_get(f"{server.url}/metrics"))}
+
+        def total(name, **labels):
+            return sum(s.value for s in families[name].samples
+                       if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items()))
+
+        spec_u = [u.model_extra["speculative"] for u in usages]
+        assert total("rlxrt:spec_decode_num_drafts") == sum(s["drafts"] for s in spec_u)
+        assert total("rlxrt:spec_decode_num_draft_tokens") == sum(s["draft_tokens"] for s in spec_u)
+        assert total("rlxrt:spec_decode_num_accepted_tokens") == sum(s["accepted_tokens"] for s in spec_u) > 0
+        for pos in range(4):
+            assert total("rlxrt:spec_decode_num_accepted_tokens_per_pos", position=str(pos)) == \
+                sum(s["accepted_per_position"][pos] for s in spec_u if len(s["accepted_per_position"]) > pos)
+        assert total("rlxrt:generation_tokens") == sum(u.completion_tokens for u in usages)
+        assert total("rlxrt:prompt_tokens") == sum(u.prompt_tokens for u in usages)
+        assert total("rlxrt:request_success") == len(usages)
+        latency = families["rlxrt:e2e_request_latency_seconds"]
+        assert [s.value for s in latency.samples if s.name.endswith("_count")] == [len(usages)]
+        ttft = families["rlxrt:time_to_first_token_seconds"]
+        assert [s.value for s in ttft.samples if s.name.endswith("_count")] == [len(usages)]
+    finally:
+        server.stop()

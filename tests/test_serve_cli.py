@@ -1,0 +1,126 @@
+"""`rlxrt serve` as a user starts it: a subprocess, its flags, SIGTERM finishing in-flight requests, and the Ray
+Serve deployment with 2 replicas answering the official openai client."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from serving import free_port  # noqa: E402
+
+from rlxrt.app.reference import reference_pair, reference_prompts  # noqa: E402
+from rlxrt.config import Config  # noqa: E402
+from rlxrt.sessions import DraftModel, Session  # noqa: E402
+
+TARGET, DRAFT = reference_pair()
+PROMPT = reference_prompts()[0]
+
+
+def _start(*flags: str, port: int, env=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "rlxrt", "serve", "--port", str(port), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _wait_healthy(proc: subprocess.Popen, port: int, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the server exited with {proc.returncode}:\n{proc.stdout.read()}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"no /health within {seconds} s:\n{proc.stdout.read()}")
+
+
+def _client(port: int):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--workers", "0"], "--workers"), (["--port", "70000"], "--port"), (["-k", "4", "--speculator", "none"], "-k"),
+    (["--draft", "x"], "--target"), (["--request-timeout", "0"], "--request-timeout"),
+    (["--target", "t", "--draft", "d", "--head", "h"], "exclude"),
+    (["--target", "t", "--speculator", "prompt-lookup", "--draft", "d"], "drop --draft"),
+])
+def test_serve_usage_errors(flags, words, capsys):
+    from rlxrt.app.cli import main
+
+    assert main(["serve", *flags]) == 2
+    assert words in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_in_flight_requests():
+    port = free_port()
+    proc = _start("--workers", "1", "--threads", "1", port=port)
+    try:
+        _wait_healthy(proc, port, 60)
+        c = _client(port)
+        stream = c.completions.create(model="rlxrt-reference", prompt=PROMPT, max_tokens=400, temperature=0,
+                                      stream=True, extra_body={"ignore_eos": True})
+        chunks = [next(iter(stream))]
+        proc.send_signal(signal.SIGTERM)
+        chunks += list(stream)
+        text = "".join(ch.choices[0].text for ch in chunks)
+        assert chunks[-1].choices[0].finish_reason == "length"
+        cpu = Config(providers=("cpu",), intra_op_threads=1, cache=False)
+        want = Session(TARGET, DraftModel(DRAFT, cpu), cpu).generate(PROMPT, max_new_tokens=400, ignore_eos=True)
+        assert text == want.text
+        assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
+        with pytest.raises(openai.APIConnectionError):
+            c.completions.create(model="rlxrt-reference", prompt="x", max_tokens=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_ray_serve_two_replicas():
+    pytest.importorskip("ray")
+    port = free_port()
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_DOCKER_CPU_WARNING": "1"}
+    proc = _start("--ray", "--replicas", "2", "--workers", "1", "--threads", "1", port=port, env=env)
+    try:
+        _wait_healthy(proc, port, 240)
+        c = _client(port)
+        cpu = Config(providers=("cpu",), intra_op_threads=1, cache=False)
+        want = Session(TARGET, DraftModel(DRAFT, cpu), cpu).generate(PROMPT, max_new_tokens=32)
+        results = [None] * 6
+
+        def one(i):
+            results[i] = _client(port).completions.create(model="rlxrt-reference", prompt=PROMPT, max_tokens=32,
+                                                          temperature=0)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [r.choices[0].text for r in results] == [want.text] * 6
+        assert results[0].usage.model_extra["speculative"]["speculator"] == "draft-model"
+        streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+            model="rlxrt-reference", prompt=PROMPT, max_tokens=32, temperature=0, stream=True))
+        assert streamed == want.text
+        with pytest.raises(openai.BadRequestError):
+            c.completions.create(model="rlxrt-reference", prompt=PROMPT, n=2)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+    assert "(2 replica(s) running x 1 worker(s))" in out, out
