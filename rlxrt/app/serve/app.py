@@ -69,15 +69,13 @@ class Server:
         return job
 
 
-async def _next_event(job: Job, request) -> tuple[str, Any]:
-    """The job's next event; a client that went away cancels the job (its worker stops at the next round)."""
-    while True:
-        try:
-            return await asyncio.wait_for(job.events.get(), POLL)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                job.cancel.set()
-                return "disconnected", None
+async def _watch(job: Job, request) -> None:
+    """Cancel the job when its client goes away (the worker stops at its next round); one task per request."""
+    while not job.cancel.is_set():
+        await asyncio.sleep(POLL)
+        if await request.is_disconnected():
+            job.cancel.set()
+            job.events.put_nowait(("disconnected", None))
 
 
 def _failure(kind: str, value: Any) -> api.ApiError:
@@ -153,23 +151,30 @@ def build_app(server: Server):
             raise api.ApiError(400, "the request body is not JSON") from None
         req = api.parse(body, chat, server.model)
         job = server.submit(server.work(req))
-        rid = api.new_id(chat)
-        kind, value = await _next_event(job, request)  # "start" once the worker took it and the arguments held
-        if kind == "disconnected":
-            return Response(status_code=499)
-        if kind != "start":
-            raise _failure(kind, value)
-        if req.stream:
-            return StreamingResponse(_sse(server, req, rid, job, request), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        while True:
-            kind, value = await _next_event(job, request)
-            if kind == "done":
-                return api.response(req, rid, server.model, value)
+        watcher = asyncio.create_task(_watch(job, request))
+        streaming = False
+        try:
+            kind, value = await job.events.get()  # "start" once the worker took it and the arguments held
             if kind == "disconnected":
                 return Response(status_code=499)
-            if kind != "text":
+            if kind != "start":
                 raise _failure(kind, value)
+            if req.stream:
+                streaming = True  # the stream's generator ends the watcher
+                return StreamingResponse(_sse(server, req, api.new_id(chat), job, watcher),
+                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            while True:
+                kind, value = await job.events.get()
+                if kind == "done":
+                    return api.response(req, api.new_id(chat), server.model, value)
+                if kind == "disconnected":
+                    return Response(status_code=499)
+                if kind != "text":
+                    raise _failure(kind, value)
+        finally:
+            if not streaming:
+                job.cancel.set()  # a no-op once the job ended
+                watcher.cancel()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -182,19 +187,21 @@ def build_app(server: Server):
     return app
 
 
-async def _sse(server: Server, req: api.Request, rid: str, job: Job, request) -> AsyncIterator[str]:
+async def _sse(server: Server, req: api.Request, rid: str, job: Job, watcher: asyncio.Task) -> AsyncIterator[str]:
     created = int(time.time())
 
     def event(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
+    # a text chunk is the same JSON each time but for its text: format it once, insert each piece's JSON string
+    head, tail = event(api.chunk(req, rid, server.model, created, text="\0")).split('"\\u0000"')
     try:
         if req.chat:
             yield event(api.chunk(req, rid, server.model, created, role=True))
         while True:
-            kind, value = await _next_event(job, request)
+            kind, value = await job.events.get()
             if kind == "text":
-                yield event(api.chunk(req, rid, server.model, created, text=value))
+                yield head + json.dumps(value, ensure_ascii=False) + tail
             elif kind == "done":
                 yield event(api.chunk(req, rid, server.model, created, reason=api.finish_reason(value)))
                 if req.include_usage:
@@ -208,3 +215,4 @@ async def _sse(server: Server, req: api.Request, rid: str, job: Job, request) ->
         yield "data: [DONE]\n\n"
     finally:
         job.cancel.set()  # a no-op when the job ended; otherwise the client went away mid-stream
+        watcher.cancel()

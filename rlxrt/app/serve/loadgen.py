@@ -1,2 +1,301 @@
-def add_bench_serve(add, model_flags):
-    pass
+"""``rlxrt bench-serve``: drive rlxrt servers with C concurrent streaming clients and compare plain with
+speculative serving side by side (interleaved repeats, medians); ``--soak N``: a long mixed run that checks
+nothing is lost (every greedy or seeded answer equals the same request served alone) and that memory stays flat.
+
+Each server runs in its own process (``rlxrt serve``), started here on a free port; the clients are one asyncio
+loop in this process (httpx), so the numbers include HTTP, JSON and SSE, as a user of the server sees them.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from rlxrt.errors import RlxrtError, UsageError
+
+
+def add_bench_serve(add, model_flags) -> None:
+    p = add("bench-serve", cmd_bench_serve, "load-test rlxrt serve: plain vs speculative serving at several "
+                                            "concurrencies (tokens/s, time to first token, latency p50/p95), or "
+                                            "a soak run (--soak N)")
+    model_flags(p)
+    p.add_argument("--workers", type=int, default=2, help="workers of each server (default 2)")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per worker (default 1)")
+    p.add_argument("--concurrency", default="1,2,4,8", help="concurrent clients to try (default 1,2,4,8)")
+    p.add_argument("--requests", type=int, default=16, help="requests per measurement (default 16)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per request (EOS ignored; default 128)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
+    p.add_argument("--soak", type=int, help="instead: a soak run of N mixed requests on the speculative server")
+    p.add_argument("--seed", type=int, default=0, help="soak: the mix's random seed")
+    p.add_argument("--out", default="bench-serve-out", help="directory for bench-serve.json and bench-serve.png")
+
+
+# -- servers ----------------------------------------------------------------------------------------------------
+class ServerProcess:
+    def __init__(self, flags: list[str], label: str):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url, self.label = f"http://127.0.0.1:{self.port}", label
+        self.proc = subprocess.Popen([sys.executable, "-m", "rlxrt", "serve", "--port", str(self.port), *flags],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def wait_ready(self, seconds: float = 120) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RlxrtError(f"the {self.label} server exited: {self.proc.stderr.read()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.2)
+        raise RlxrtError(f"the {self.label} server did not answer /health within {seconds} s")
+
+    def rss_mb(self) -> float:
+        with open(f"/proc/{self.proc.pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+# -- clients ----------------------------------------------------------------------------------------------------
+@dataclass
+class Result:
+    text: str
+    tokens: int
+    ttft: float | None
+    latency: float
+    finish: str | None
+    usage: dict | None
+    cancelled: bool = False
+
+
+async def one_request(client, url: str, body: dict, cancel_after: int | None = None) -> Result:
+    """One request; streaming when ``body["stream"]``; ``cancel_after`` chunks: close the stream early."""
+    start = time.perf_counter()
+    if not body.get("stream"):
+        r = await client.post(f"{url}/v1/completions", json=body)
+        r.raise_for_status()
+        data = r.json()
+        return Result(data["choices"][0]["text"], data["usage"]["completion_tokens"], None,
+                      time.perf_counter() - start, data["choices"][0]["finish_reason"], data["usage"])
+    text, ttft, usage, finish, chunks = [], None, None, None, 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                raise RlxrtError(f"server error: {obj['error']['message']}")
+            if obj.get("usage"):
+                usage = obj["usage"]
+            for choice in obj.get("choices", []):
+                if choice.get("text") and ttft is None:
+                    ttft = time.perf_counter() - start
+                text.append(choice.get("text") or "")
+                finish = choice.get("finish_reason") or finish
+            chunks += 1
+            if cancel_after is not None and chunks >= cancel_after:
+                return Result("".join(text), 0, ttft, time.perf_counter() - start, None, None, cancelled=True)
+    tokens = usage["completion_tokens"] if usage else 0
+    return Result("".join(text), tokens, ttft, time.perf_counter() - start, finish, usage)
+
+
+async def run_batch(url: str, bodies: list[dict], concurrency: int) -> tuple[list[Result], float]:
+    import httpx
+
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async def go(body):
+            async with sem:
+                return await one_request(client, url, body)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(go(b) for b in bodies))
+        return list(results), time.perf_counter() - start
+
+
+def _pct(values: list[float], q: float) -> float:
+    v = sorted(values)
+    if not v:
+        return float("nan")
+    i = min(len(v) - 1, max(0, round(q * (len(v) - 1))))
+    return v[i]
+
+
+def _measure(results: list[Result], wall: float) -> dict[str, float]:
+    tokens = sum(r.tokens for r in results)
+    spec = [r.usage.get("speculative", {}) for r in results if r.usage]
+    drafted = sum(s.get("draft_tokens", 0) for s in spec)
+    return {"tokens_per_second": tokens / wall, "ttft_p50": _pct([r.ttft for r in results if r.ttft], 0.5),
+            "ttft_p95": _pct([r.ttft for r in results if r.ttft], 0.95),
+            "latency_p50": _pct([r.latency for r in results], 0.5), "latency_p95": _pct([r.latency for r in results], 0.95),
+            "acceptance_rate": sum(s.get("accepted_tokens", 0) for s in spec) / drafted if drafted else 0.0}
+
+
+# -- the command ------------------------------------------------------------------------------------------------
+def _server_flags(args: argparse.Namespace) -> tuple[list[str], list[str], str]:
+    """(plain flags, speculative flags, speculator name)."""
+    base = ["--workers", str(args.workers), "--threads", str(args.threads), "--max-queue", "1024",
+            "--model-name", "m", "--log-level", "error"]
+    model = ["--target", args.target] if args.target else []
+    spec = list(model)
+    if args.draft:
+        spec += ["--draft", args.draft]
+    if args.head:
+        spec += ["--head", args.head]
+    name = args.speculator or ("draft" if args.draft or not args.target else "mtp" if args.head else "prompt-lookup")
+    spec += ["--speculator", name] + (["-k", str(args.k)] if args.k else [])
+    return base + model + ["--speculator", "none"], base + spec, name
+
+
+def _bodies(prompts: list[str], n: int, max_tokens: int) -> list[dict]:
+    return [{"prompt": prompts[i % len(prompts)], "max_tokens": max_tokens, "temperature": 0, "stream": True,
+             "stream_options": {"include_usage": True}, "ignore_eos": True} for i in range(n)]
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    from ..commands import _prompts
+
+    if importlib.util.find_spec("httpx") is None:
+        raise UsageError("bench-serve needs httpx: pip install 'rlxrt[serve]'")
+    try:
+        levels = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        raise UsageError(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from None
+    for flag, value, low in (("--concurrency", min(levels), 1), ("--requests", args.requests, 1),
+                             ("--max-tokens", args.max_tokens, 1), ("--repeats", args.repeats, 1),
+                             ("--workers", args.workers, 1), ("--threads", args.threads, 0),
+                             ("--soak", args.soak if args.soak is not None else 1, 1)):
+        if value < low:
+            raise UsageError(f"{flag} must be >= {low}, got {value}")
+    prompts = _prompts(argparse.Namespace(prompt_file=None), 64)
+    plain_flags, spec_flags, name = _server_flags(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.soak:
+        from .soak import run_soak
+
+        report = run_soak(ServerProcess(spec_flags, name), prompts, args.soak, max(levels), args.max_tokens, args.seed)
+        (out / "soak.json").write_text(json.dumps(report, indent=2) + "\n")
+        print(json.dumps({k: v for k, v in report.items() if k != "rss_mb"}, indent=2))
+        print(f"wrote {out / 'soak.json'}", file=sys.stderr)
+        return 0 if report["mismatches"] == 0 and report["errors"] == 0 else 1
+    servers = {"plain": ServerProcess(plain_flags, "plain"), name: ServerProcess(spec_flags, name)}
+    try:
+        for s in servers.values():
+            s.wait_ready()
+        runs: dict[str, dict[int, list[dict]]] = {k: {c: [] for c in levels} for k in servers}
+        for s in servers.values():  # warm-up: first runs of each graph
+            asyncio.run(run_batch(s.url, _bodies(prompts, 2 * args.workers, 16), 2 * args.workers))
+        for rep in range(args.repeats):
+            for c in levels:
+                order = list(servers.items()) if rep % 2 == 0 else list(reversed(servers.items()))
+                for label, s in order:
+                    results, wall = asyncio.run(run_batch(s.url, _bodies(prompts, args.requests, args.max_tokens), c))
+                    runs[label][c].append(_measure(results, wall))
+                    print(f"  repeat {rep + 1}/{args.repeats} concurrency {c:>2} {label:<14} "
+                          f"{runs[label][c][-1]['tokens_per_second']:8.1f} tok/s", file=sys.stderr)
+    finally:
+        for s in servers.values():
+            s.stop()
+    report = _report(args, levels, runs, name)
+    (out / "bench-serve.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(format_table(report))
+    try:
+        _chart(report, out / "bench-serve.png")
+    except ImportError:
+        print("(no chart: pip install matplotlib)", file=sys.stderr)
+    print(f"wrote {out / 'bench-serve.json'}", file=sys.stderr)
+    return 0
+
+
+def _report(args, levels, runs, name) -> dict[str, Any]:
+    rows = {}
+    for label, per in runs.items():
+        rows[label] = {str(c): {k: round(median(r[k] for r in per[c]), 4) for k in per[c][0]} for c in levels}
+    for c in levels:
+        rows[name][str(c)]["speedup"] = round(rows[name][str(c)]["tokens_per_second"] /
+                                              rows["plain"][str(c)]["tokens_per_second"], 3)
+    return {"config": {"workers": args.workers, "threads_per_worker": args.threads, "requests": args.requests,
+                       "max_tokens": args.max_tokens, "repeats": args.repeats, "cpu_count": os.cpu_count(),
+                       "target": args.target or "shipped reference target", "speculator": name, "k": args.k or 4},
+            "rows": rows, "note": "medians over interleaved repeats; tokens/s is all clients' tokens over wall time"}
+
+
+def format_table(report: dict[str, Any]) -> str:
+    rows = report["rows"]
+    lines = ["| server | clients | tok/s | speedup | TTFT p50 / p95 (ms) | latency p50 / p95 (s) | acceptance |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for label, per in rows.items():
+        for c, r in per.items():
+            lines.append(f"| {label} | {c} | {r['tokens_per_second']:.0f} | {r.get('speedup', 1.0):.2f}x | "
+                         f"{1000 * r['ttft_p50']:.0f} / {1000 * r['ttft_p95']:.0f} | "
+                         f"{r['latency_p50']:.2f} / {r['latency_p95']:.2f} | {r['acceptance_rate']:.2f} |")
+    return "\n".join(lines)
+
+
+def _chart(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4), dpi=110)
+    for label, per in report["rows"].items():
+        cs = [int(c) for c in per]
+        a.plot(cs, [per[c]["tokens_per_second"] for c in per], marker="o", label=label)
+        b.plot(cs, [per[c]["latency_p95"] for c in per], marker="o", label=label)
+    for ax, title in ((a, "tokens/s (all clients)"), (b, "latency p95 (s)")):
+        ax.set_xlabel("concurrent streaming clients")
+        ax.set_title(title, fontsize=9)
+        ax.set_xscale("log", base=2)
+        ax.legend(fontsize=8)
+        ax.set_ylim(bottom=0)
+    cfg = report["config"]
+    fig.suptitle(f"rlxrt bench-serve: {cfg['workers']} workers x {cfg['threads_per_worker']} thread(s), "
+                 f"{cfg['requests']} requests x {cfg['max_tokens']} tokens, medians of {cfg['repeats']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def mixed_bodies(prompts: list[str], n: int, max_tokens: int, seed: int) -> list[tuple[dict, int | None]]:
+    """The soak's mix: (body, cancel_after) — streaming or not, greedy or seeded sampling, some cancelled."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        stream = rng.random() < 0.5
+        body = {"prompt": prompts[rng.randrange(len(prompts))], "max_tokens": rng.randint(8, max_tokens),
+                "temperature": 0 if rng.random() < 0.6 else round(rng.uniform(0.5, 1.0), 2), "stream": stream}
+        if body["temperature"]:
+            body["seed"] = rng.randrange(1 << 30)
+            body["top_k"] = rng.choice([0, 20])
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        out.append((body, rng.randint(1, 3) if stream and rng.random() < 0.2 else None))
+    return out

@@ -48,8 +48,10 @@ class Metrics:
         lab = self.labels
         if job.timed_out:
             reason = "timeout"
+        elif job.failed:
+            reason = "error"
         elif generation is None:
-            reason = "cancelled" if job.cancel.is_set() else "error"
+            reason = "cancelled"  # before it ran
         else:
             reason = generation.finish_reason
         self.requests.labels(finished_reason=reason, **lab).inc()

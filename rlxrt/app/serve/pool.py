@@ -46,6 +46,8 @@ class Job:
     arrived: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     timed_out: bool = False
+    failed: bool = False
+    """An exception ended it (reported to the client)."""
 
     def emit(self, kind: str, value: Any = None) -> None:
         try:
@@ -115,9 +117,8 @@ class Pool:
             generation = None
             try:
                 generation = self._run(session, job)
-            except RlxrtError as exc:
-                job.emit("error", exc)
-            except Exception as exc:  # a bug: report it to the client as a server error, keep serving
+            except Exception as exc:  # bad arguments, a model error or a bug: the client hears of it; keep serving
+                job.failed = True
                 job.emit("error", exc)
             finally:
                 with self._lock:
