@@ -124,3 +124,25 @@ def test_ray_serve_two_replicas():
             proc.kill()
             out, _ = proc.communicate()
     assert "(2 replica(s) running x 1 worker(s))" in out, out
+
+
+@pytest.mark.slow
+def test_bench_serve_and_soak_commands(tmp_path):
+    """The load benchmark and the soak run end to end at a tiny size (their figures are not asserted)."""
+    import json
+
+    out = tmp_path / "b"
+    run = subprocess.run([sys.executable, "-m", "rlxrt", "bench-serve", "--concurrency", "1,2", "--requests", "2",
+                          "--max-tokens", "8", "--repeats", "1", "--out", str(out)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    report = json.loads((out / "bench-serve.json").read_text())
+    assert set(report["rows"]) == {"plain", "draft k=2"} and set(report["rows"]["plain"]) == {"1", "2"}
+    assert report["rows"]["draft k=2"]["2"]["tokens_per_second"] > 0 and (out / "bench-serve.png").stat().st_size
+    assert "| draft k=2 | 2 |" in run.stdout
+    run = subprocess.run([sys.executable, "-m", "rlxrt", "bench-serve", "--soak", "24", "--concurrency", "4",
+                          "--max-tokens", "12", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    soak = json.loads((out / "soak.json").read_text())
+    assert soak["requests"] == 24 and soak["errors"] == 0 and soak["mismatches"] == 0
+    assert soak["replayed_alone"] == 24 - soak["closed_early_by_client"] and soak["workers_idle_after"]

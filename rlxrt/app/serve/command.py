@@ -36,14 +36,15 @@ def model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head", help="MTP head directory (drafts from the target's hidden states)")
     p.add_argument("--speculator", choices=["draft", "prompt-lookup", "mtp", "none"],
                    help="default: draft with --draft, mtp with --head, else none (plain decoding)")
-    p.add_argument("-k", type=int, help="tokens drafted per round, 1..32 (default: the speculator's, 4)")
+    p.add_argument("-k", type=int, help="tokens drafted per round, 1..32 (default: 2 for a draft model or head, "
+                                        "4 for prompt lookup)")
 
 
 def options_from(args: argparse.Namespace, workers: int, config):
     """ServeOptions from the model flags (``--target``/``--draft``/``--head``/``--speculator``, or none: the
     shipped pair with its draft)."""
     from ..reference import reference_pair
-    from .options import ServeOptions
+    from .options import SERVE_MODEL_K, ServeOptions
 
     if args.draft and args.head:
         raise UsageError("--draft and --head exclude each other: pass one speculator")
@@ -70,7 +71,8 @@ def options_from(args: argparse.Namespace, workers: int, config):
     if args.k is not None and not 1 <= args.k <= 32:
         raise UsageError(f"-k must be in 1..32, got {args.k}")
     name = args.model_name or ("rlxrt-reference" if args.target is None else None)
-    return ServeOptions(target=target, speculator=speculator, draft=helper, k=args.k, config=config,
+    k = args.k if args.k is not None else SERVE_MODEL_K if speculator in ("draft", "mtp") else None
+    return ServeOptions(target=target, speculator=speculator, draft=helper, k=k, config=config,
                         workers=workers, max_queue=args.max_queue, request_timeout=args.request_timeout,
                         model_name=name)
 

@@ -36,6 +36,7 @@ def add_bench_serve(add, model_flags) -> None:
     p.add_argument("--requests", type=int, default=16, help="requests per measurement (default 16)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per request (EOS ignored; default 128)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
+    p.add_argument("--ks", help="draft lengths to compare, one speculative server each (e.g. 2,3,4; default: -k)")
     p.add_argument("--soak", type=int, help="instead: a soak run of N mixed requests on the speculative server")
     p.add_argument("--seed", type=int, default=0, help="soak: the mix's random seed")
     p.add_argument("--out", default="bench-serve-out", help="directory for bench-serve.json and bench-serve.png")
@@ -156,8 +157,8 @@ def _measure(results: list[Result], wall: float) -> dict[str, float]:
 
 
 # -- the command ------------------------------------------------------------------------------------------------
-def _server_flags(args: argparse.Namespace) -> tuple[list[str], list[str], str]:
-    """(plain flags, speculative flags, speculator name)."""
+def _server_flags(args: argparse.Namespace, k: int | None) -> tuple[list[str], list[str], str]:
+    """(plain flags, speculative flags, speculator name) for draft length ``k``."""
     base = ["--workers", str(args.workers), "--threads", str(args.threads), "--max-queue", "1024",
             "--model-name", "m", "--log-level", "error"]
     model = ["--target", args.target] if args.target else []
@@ -167,7 +168,7 @@ def _server_flags(args: argparse.Namespace) -> tuple[list[str], list[str], str]:
     if args.head:
         spec += ["--head", args.head]
     name = args.speculator or ("draft" if args.draft or not args.target else "mtp" if args.head else "prompt-lookup")
-    spec += ["--speculator", name] + (["-k", str(args.k)] if args.k else [])
+    spec += ["--speculator", name] + (["-k", str(k)] if k else [])
     return base + model + ["--speculator", "none"], base + spec, name
 
 
@@ -194,7 +195,15 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         if value < low:
             raise UsageError(f"{flag} must be >= {low}, got {value}")
     prompts = _prompts(argparse.Namespace(prompt_file=None), 64)
-    plain_flags, spec_flags, name = _server_flags(args)
+    if args.ks and args.k:
+        raise UsageError("pass -k or --ks, not both")
+    try:
+        ks = [int(k) for k in args.ks.split(",")] if args.ks else [args.k]
+    except ValueError:
+        raise UsageError(f"--ks must be comma-separated integers, got {args.ks!r}") from None
+    if any(k is not None and not 1 <= k <= 32 for k in ks):
+        raise UsageError(f"draft lengths must be in 1..32, got {args.ks or args.k}")
+    plain_flags, spec_flags, name = _server_flags(args, ks[0])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.soak:
@@ -205,7 +214,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         print(json.dumps({k: v for k, v in report.items() if k != "rss_mb"}, indent=2))
         print(f"wrote {out / 'soak.json'}", file=sys.stderr)
         return 0 if report["mismatches"] == 0 and report["errors"] == 0 else 1
-    servers = {"plain": ServerProcess(plain_flags, "plain"), name: ServerProcess(spec_flags, name)}
+    servers = {"plain": ServerProcess(plain_flags, "plain")}
+    for k in ks:
+        label = f"{name} k={k or (2 if name in ('draft', 'mtp') else 4)}"
+        servers[label] = ServerProcess(_server_flags(args, k)[1], label)
     try:
         for s in servers.values():
             s.wait_ready()
@@ -223,7 +235,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     finally:
         for s in servers.values():
             s.stop()
-    report = _report(args, levels, runs, name)
+    report = _report(args, levels, runs, name, ks)
     (out / "bench-serve.json").write_text(json.dumps(report, indent=2) + "\n")
     print(format_table(report))
     try:
@@ -234,16 +246,17 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report(args, levels, runs, name) -> dict[str, Any]:
+def _report(args, levels, runs, name, ks) -> dict[str, Any]:
     rows = {}
     for label, per in runs.items():
         rows[label] = {str(c): {k: round(median(r[k] for r in per[c]), 4) for k in per[c][0]} for c in levels}
-    for c in levels:
-        rows[name][str(c)]["speedup"] = round(rows[name][str(c)]["tokens_per_second"] /
-                                              rows["plain"][str(c)]["tokens_per_second"], 3)
+    for label in rows:
+        for c in levels:
+            rows[label][str(c)]["speedup"] = round(rows[label][str(c)]["tokens_per_second"] /
+                                                   rows["plain"][str(c)]["tokens_per_second"], 3)
     return {"config": {"workers": args.workers, "threads_per_worker": args.threads, "requests": args.requests,
                        "max_tokens": args.max_tokens, "repeats": args.repeats, "cpu_count": os.cpu_count(),
-                       "target": args.target or "shipped reference target", "speculator": name, "k": args.k or 4},
+                       "target": args.target or "shipped reference target", "speculator": name, "ks": [k or (2 if name in ("draft", "mtp") else 4) for k in ks]},
             "rows": rows, "note": "medians over interleaved repeats; tokens/s is all clients' tokens over wall time"}
 
 

@@ -10,6 +10,10 @@ from rlxrt.config import Config
 from rlxrt.errors import UsageError
 
 SPECULATORS = ("draft", "prompt-lookup", "mtp", "none")
+SERVE_MODEL_K = 2
+"""Draft length of a served draft model or head when -k is not given. Under load every rejected drafted token
+costs worker time another request could use: on the shipped pair (2 workers, 2 cores) k=2 kept 1.29-1.55x plain
+at 1-8 clients while k=4 ranged 1.06-1.48x (exporters/reference/results/serve)."""
 
 
 @dataclass(frozen=True)

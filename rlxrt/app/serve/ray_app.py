@@ -39,7 +39,7 @@ def build(args: dict[str, Any]):
     from rlxrt.config import load_config
 
     from ..reference import reference_pair
-    from .options import default_threads
+    from .options import SERVE_MODEL_K, default_threads
 
     known = {"target", "draft", "speculator", "k", "workers", "replicas", "threads", "max_queue", "request_timeout",
              "model_name", "providers"}
@@ -51,7 +51,8 @@ def build(args: dict[str, Any]):
     speculator = args.get("speculator", "draft" if draft else "none")
     config = load_config(None, providers=args.get("providers"),
                          intra_op_threads=int(args.get("threads", default_threads(workers))))
-    opts = ServeOptions(target=str(target), speculator=speculator, draft=draft, k=int(args["k"]) if "k" in args else None,
-                        config=config, workers=workers, max_queue=int(args.get("max_queue", 64)),
+    k = int(args["k"]) if "k" in args else SERVE_MODEL_K if speculator in ("draft", "mtp") else None
+    opts = ServeOptions(target=str(target), speculator=speculator, draft=draft, k=k, config=config,
+                        workers=workers, max_queue=int(args.get("max_queue", 64)),
                         request_timeout=float(args.get("request_timeout", 600)), model_name=args.get("model_name"))
     return deployment(opts, int(args.get("replicas", 1)))

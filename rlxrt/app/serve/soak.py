@@ -24,7 +24,7 @@ async def _soak(server, mix, concurrency: int) -> dict[str, Any]:
 
     sem = asyncio.Semaphore(concurrency)
     rss: list[tuple[int, float]] = [(0, server.rss_mb())]
-    done = 0
+    done, every = 0, max(1, len(mix) // 80)
     errors: list[str] = []
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
     start = time.perf_counter()
@@ -38,7 +38,7 @@ async def _soak(server, mix, concurrency: int) -> dict[str, Any]:
                     errors.append(f"{type(exc).__name__}: {exc}")
                     r = None
                 done += 1
-                if done % 25 == 0:
+                if done % every == 0:
                     rss.append((done, server.rss_mb()))
                 return r
 
@@ -55,14 +55,16 @@ async def _soak(server, mix, concurrency: int) -> dict[str, Any]:
             if alone.text != r.text:
                 mismatches.append({"request": i, "body": body, "served": r.text[:80], "alone": alone.text[:80]})
         metrics = (await client.get(f"{server.url}/metrics")).text
-    warm = rss[max(1, len(rss) // 5)][1]
+    warm = rss[min(len(rss) - 1, max(1, len(rss) // 5))][1]  # after a fifth of the run
     cancelled = sum(1 for r in results if r is not None and r.cancelled)
     return {"requests": len(mix), "concurrency": concurrency, "seconds": round(wall, 2),
             "streaming": sum(1 for b, _ in mix if b["stream"]), "greedy": sum(1 for b, _ in mix if not b["temperature"]),
-            "cancelled": cancelled, "errors": len(errors), "error_samples": errors[:5],
+            "closed_early_by_client": cancelled, "errors": len(errors), "error_samples": errors[:5],
             "replayed_alone": replay, "mismatches": len(mismatches), "mismatch_samples": mismatches[:5],
             "workers_idle_after": health["running"] == 0 and health["waiting"] == 0,
-            "cancelled_in_metrics": _cancelled(metrics),
+            "cancelled_by_server": _cancelled(metrics),
+            "note": "closed_early_by_client counts streams the client closed after 1-3 chunks; cancelled_by_server "
+                    "those the server ended early (a short request may have finished before the client closed it)",
             "rss_mb_after_warmup": round(warm, 1), "rss_mb_end": round(rss[-1][1], 1),
             "rss_growth_mb": round(rss[-1][1] - warm, 1), "rss_mb": [(k, round(v, 1)) for k, v in rss]}
 
