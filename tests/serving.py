@@ -44,7 +44,7 @@ class Running:
     def client(self, **kw):
         import openai
 
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60, **kw)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **{"timeout": 60, **kw})
 
     def stop(self) -> None:
         self.uv.should_exit = True

@@ -67,13 +67,20 @@ def smollm2():
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(smollm2):
+def hf_model(smollm2):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(2)
     model = AutoModelForCausalLM.from_pretrained(str(smollm2[0]), dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(str(smollm2[0]))
+    return model, AutoTokenizer.from_pretrained(str(smollm2[0]))
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_model):
+    import torch
+
+    model, tok = hf_model
     out = []
     for p in PROMPTS:
         ids = tok(p, return_tensors="pt").input_ids
@@ -110,6 +117,30 @@ def test_text_round_trip_with_its_tokenizer(smollm2):
     g = Session(smollm2[1], None, CFG).generate(PROMPTS[0], max_new_tokens=8, ignore_eos=True)
     assert "Paris" in g.text
     assert json.loads((smollm2[1] / "rlxrt.json").read_text())["source"]["path_or_id"] == "hf"
+
+
+def test_chat_equals_transformers(smollm2, hf_model):
+    """The instruct model's own template (kept by the export) renders as apply_chat_template does, and the
+    greedy reply equals transformers' up to and including the end-of-turn token <|im_end|>."""
+    import torch
+
+    model, tok = hf_model
+    m = Manifest.load(smollm2[1])
+    assert m.chat["template"] == "chat_template.jinja" and 2 in m.chat["end_of_turn_ids"]
+    session = Session(smollm2[1], PromptLookup(), CFG)
+    for messages in ([{"role": "user", "content": "What is the capital of France?"}],
+                     [{"role": "system", "content": "You answer in one short sentence."},
+                      {"role": "user", "content": "Name a prime number."}]):
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+        assert session.chat_prompt(messages) == list(ids)
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=48, do_sample=False,
+                                 eos_token_id=2, pad_token_id=2)
+        want = gen[0, x.shape[1]:].tolist()
+        g = session.chat(messages, max_new_tokens=48)
+        assert g.token_ids == want
+        assert g.finish_reason == ("stop" if want[-1] == 2 else "length") and "<|im_end|>" not in g.text
 
 
 def test_int4_smollm2(smollm2):

@@ -105,7 +105,8 @@ def test_stop_strings_and_seeds(spec, direct):
 BAD = [
     ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": "ten"}, "max_tokens"), ({"temperature": -1}, "temperature"),
     ({"temperature": 3}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-    ({"n": 2}, "n"), ({"seed": "x"}, "seed"), ({"stop": [""]}, "stop"), ({"stop": ["a"] * 17}, "stop"),
+    ({"n": 2}, "n"), ({"seed": "x"}, "seed"), ({"seed": -1}, "seed"), ({"top_k": 1.5}, "top_k"),
+    ({"stop": [""]}, "stop"), ({"stop": ["a"] * 17}, "stop"),
     ({"stop": 5}, "stop"), ({"stream": "yes"}, "stream"), ({"logprobs": 3}, "logprobs"),
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": 1}, "frequency_penalty"),
     ({"logit_bias": {"5": 10}}, "logit_bias"), ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"),
@@ -182,6 +183,12 @@ def test_queue_full_is_429_and_disconnect_frees_the_worker():
         assert 'rlxrt:request_success_total{finished_reason="cancelled",model_name="m"} 1.0' in metrics
         assert 'rlxrt:request_rejected_total{model_name="m"} 1.0' in metrics
         assert c.completions.create(model="m", prompt="x", max_tokens=2).choices[0].text is not None
+        # a non-streaming client that gives up (its own timeout) is cancelled too
+        with pytest.raises(openai.APITimeoutError):
+            server.client(timeout=0.4).completions.create(model="m", prompt=PROMPTS[0], max_tokens=1000,
+                                                          temperature=0, extra_body={"ignore_eos": True})
+        _wait(lambda: server.server.pool.running == 0)
+        assert 'finished_reason="cancelled",model_name="m"} 2.0' in _get(f"{server.url}/metrics")
     finally:
         server.stop()
 

@@ -87,14 +87,40 @@ def test_sigterm_finishes_in_flight_requests():
             proc.kill()
 
 
+def test_ray_app_builder_for_serve_run():
+    """The documented `serve run rlxrt.app.serve.ray_app:build key=value ...` builder: arguments as Ray passes
+    them (strings) become the replicas' options; unknown keys are refused."""
+    pytest.importorskip("ray")
+    from rlxrt.app.serve.ray_app import build
+
+    app = build({"workers": "2", "replicas": "3", "threads": "1", "k": "3"})
+    d = app._bound_deployment
+    assert d.num_replicas == 3
+    opts = d.init_args[0]
+    assert (opts.workers, opts.k, opts.speculator, opts.config.intra_op_threads) == (2, 3, "draft", 1)
+    assert opts.target.endswith("target") and opts.draft.endswith("draft")
+    assert build({"target": str(TARGET)})._bound_deployment.init_args[0].speculator == "none"
+    with pytest.raises(ValueError, match="wibble"):
+        build({"wibble": "1"})
+
+
 @pytest.mark.slow
 def test_ray_serve_two_replicas():
     pytest.importorskip("ray")
     port = free_port()
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_DOCKER_CPU_WARNING": "1"}
     proc = _start("--ray", "--replicas", "2", "--workers", "1", "--threads", "1", port=port, env=env)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
     try:
-        _wait_healthy(proc, port, 240)
+        # Ray's proxy answers as soon as one replica is up: wait for rlxrt's line, printed once both run
+        deadline = time.monotonic() + 240
+        while not any("Ray Serve is serving" in line for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.2)
+        assert any("(2 replica(s) running x 1 worker(s))" in line for line in lines), "".join(lines)[-3000:]
+        _wait_healthy(proc, port, 30)
         c = _client(port)
         cpu = Config(providers=("cpu",), intra_op_threads=1, cache=False)
         want = Session(TARGET, DraftModel(DRAFT, cpu), cpu).generate(PROMPT, max_new_tokens=32)
@@ -119,11 +145,9 @@ def test_ray_serve_two_replicas():
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
-            out, _ = proc.communicate(timeout=60)
+            proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
-            out, _ = proc.communicate()
-    assert "(2 replica(s) running x 1 worker(s))" in out, out
 
 
 @pytest.mark.slow

@@ -152,7 +152,8 @@ def _measure(results: list[Result], wall: float) -> dict[str, float]:
     drafted = sum(s.get("draft_tokens", 0) for s in spec)
     return {"tokens_per_second": tokens / wall, "ttft_p50": _pct([r.ttft for r in results if r.ttft], 0.5),
             "ttft_p95": _pct([r.ttft for r in results if r.ttft], 0.95),
-            "latency_p50": _pct([r.latency for r in results], 0.5), "latency_p95": _pct([r.latency for r in results], 0.95),
+            "latency_p50": _pct([r.latency for r in results], 0.5),
+            "latency_p95": _pct([r.latency for r in results], 0.95),
             "acceptance_rate": sum(s.get("accepted_tokens", 0) for s in spec) / drafted if drafted else 0.0}
 
 
@@ -256,7 +257,8 @@ def _report(args, levels, runs, name, ks) -> dict[str, Any]:
                                                    rows["plain"][str(c)]["tokens_per_second"], 3)
     return {"config": {"workers": args.workers, "threads_per_worker": args.threads, "requests": args.requests,
                        "max_tokens": args.max_tokens, "repeats": args.repeats, "cpu_count": os.cpu_count(),
-                       "target": args.target or "shipped reference target", "speculator": name, "ks": [k or (2 if name in ("draft", "mtp") else 4) for k in ks]},
+                       "target": args.target or "shipped reference target", "speculator": name,
+                       "ks": [k or (2 if name in ("draft", "mtp") else 4) for k in ks]},
             "rows": rows, "note": "medians over interleaved repeats; tokens/s is all clients' tokens over wall time"}
 
 
@@ -287,6 +289,7 @@ def _chart(report: dict[str, Any], path: Path) -> None:
         ax.set_xlabel("concurrent streaming clients")
         ax.set_title(title, fontsize=9)
         ax.set_xscale("log", base=2)
+        ax.set_xticks(cs, [str(c) for c in cs])
         ax.legend(fontsize=8)
         ax.set_ylim(bottom=0)
     cfg = report["config"]

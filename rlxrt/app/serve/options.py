@@ -12,8 +12,8 @@ from rlxrt.errors import UsageError
 SPECULATORS = ("draft", "prompt-lookup", "mtp", "none")
 SERVE_MODEL_K = 2
 """Draft length of a served draft model or head when -k is not given. Under load every rejected drafted token
-costs worker time another request could use: on the shipped pair (2 workers, 2 cores) k=2 kept 1.29-1.55x plain
-at 1-8 clients while k=4 ranged 1.06-1.48x (exporters/reference/results/serve)."""
+costs worker time another request could use: on the shipped pair (2 workers, 2 cores, 1-8 clients) k=2 gave
+1.28-1.35x plain serving and k=4 1.22-1.27x in one interleaved run (exporters/reference/results/serve)."""
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,8 @@ class ServeOptions:
         if self.speculator not in SPECULATORS:
             raise UsageError(f"speculator {self.speculator!r} is unknown; use one of {', '.join(SPECULATORS)}")
         if self.speculator in ("draft", "mtp") and not self.draft:
-            raise UsageError(f"speculator {self.speculator} needs {'--draft' if self.speculator == 'draft' else '--head'} DIR")
+            flag = "--draft" if self.speculator == "draft" else "--head"
+            raise UsageError(f"speculator {self.speculator} needs {flag} DIR")
         if not 1 <= self.workers <= 256:
             raise UsageError(f"--workers must be in 1..256, got {self.workers}")
         if not 0 <= self.max_queue <= 1_000_000:

@@ -95,7 +95,8 @@ def parse(body: Any, chat: bool, model: str) -> Request:
     return Request(chat=chat, prompt=prompt, messages=messages, max_tokens=max_tokens,
                    temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                    top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-                   top_k=_integer(body, "top_k", 0, 0, 1 << 31), seed=_integer(body, "seed", None, -(1 << 63), (1 << 64) - 1),
+                   top_k=_integer(body, "top_k", 0, 0, 1 << 31),
+                   seed=_integer(body, "seed", None, 0, (1 << 63) - 1),
                    stop=_stop(body), stream=stream, include_usage=bool((options or {}).get("include_usage")),
                    ignore_eos=_flag(body, "ignore_eos"))
 

@@ -58,7 +58,8 @@ async def _soak(server, mix, concurrency: int) -> dict[str, Any]:
     warm = rss[min(len(rss) - 1, max(1, len(rss) // 5))][1]  # after a fifth of the run
     cancelled = sum(1 for r in results if r is not None and r.cancelled)
     return {"requests": len(mix), "concurrency": concurrency, "seconds": round(wall, 2),
-            "streaming": sum(1 for b, _ in mix if b["stream"]), "greedy": sum(1 for b, _ in mix if not b["temperature"]),
+            "streaming": sum(1 for b, _ in mix if b["stream"]),
+            "greedy": sum(1 for b, _ in mix if not b["temperature"]),
             "closed_early_by_client": cancelled, "errors": len(errors), "error_samples": errors[:5],
             "replayed_alone": replay, "mismatches": len(mismatches), "mismatch_samples": mismatches[:5],
             "workers_idle_after": health["running"] == 0 and health["waiting"] == 0,
