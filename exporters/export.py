@@ -23,6 +23,7 @@ from rlxrt.manifest import Manifest
 from .chat_template import save_chat
 from .deps import require_export_stack, versions
 from .families import FAMILIES, family_for
+from .gguf_source import dequantise, gguf_file
 from .fused import TASK as FUSED_TASK
 from .fused import build_graph, fused_layout
 from .fused import unsupported as fused_unsupported
@@ -116,7 +117,7 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
                  atol: float | None = None, report: Callable[[str], None] | None = None,
                  with_hidden_states: bool = False, graph: str | None = None,
                  max_context: int | None = None) -> ExportResult:
-    """Export ``src`` (a local Hugging Face model directory or a hub id) into ``out``.
+    """Export ``src`` (a local Hugging Face model directory, a hub id, or a GGUF file) into ``out``.
 
     ``graph`` is ``fused`` (rlxrt's own graph from the safetensors weights, no torch needed; the default for
     llama, mistral and qwen2 in fp32, with a KV buffer of ``max_context`` positions) or ``portable``
@@ -129,13 +130,21 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
     variant = _variant(dtype, quantize)
     out = Path(out).expanduser()
     _prepare_out(out, force)
-    src_dir = resolve_source(src)
-    config = read_config(src_dir)
-    kind = _graph_kind(graph, config, variant, max_context)
+    gguf = gguf_file(src)
     steps = _Steps(report)
+    if gguf is None:
+        src_dir = resolve_source(src)
+        kind = _graph_kind(graph, read_config(src_dir), variant, max_context)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
+        gguf_record = None
+        if gguf is not None:  # dequantised into a Hugging Face directory first (needs torch and transformers)
+            torch_, transformers_, _ = require_export_stack()
+            src_dir = work / "hf"
+            gguf_record = steps.run("dequantise", dequantise, gguf, src_dir, torch_, transformers_)
+            kind = _graph_kind(graph, read_config(src_dir), variant, max_context)
+        config = read_config(src_dir)
         final = work / "model"
         final.mkdir()
         if kind == "fused":
@@ -155,6 +164,8 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
             layout, task = family.layout(model, final / GRAPH, variant, with_hidden_states), family.task
         manifest = assemble_manifest(config, task, layout, src, src_dir, _save_tokenizer(transformers, src_dir, final))
         manifest = replace(manifest, chat=save_chat(src_dir, final, manifest.eos_token_ids))
+        if gguf_record is not None:
+            manifest = replace(manifest, source={**manifest.source, **gguf_record})
         if validate_export and torch is None:
             manifest = replace(manifest, validation={"skipped": True, "reason": "torch/transformers not installed"})
         elif validate_export:

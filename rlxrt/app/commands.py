@@ -267,7 +267,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def add_commands(add, runtime_flags) -> None:
     """Register the remaining sub-commands on the parser (see rlxrt.cli)."""
     p = add("export", cmd_export, "export a Hugging Face causal LM to an ONNX model directory with a KV cache")
-    p.add_argument("src", help="a local Hugging Face model directory, or a hub id (needs network)")
+    p.add_argument("src", help="a local Hugging Face model directory, a .gguf file (or a directory holding one), "
+                               "or a hub id (needs network)")
     p.add_argument("out", help="the model directory to write")
     p.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32", help="weights and cache type (fp16 for GPUs)")
     p.add_argument("--quantize", choices=["int8", "int4"],

@@ -1,0 +1,104 @@
+"""GGUF sources: ``rlxrt export model.gguf OUT`` (or a directory holding one .gguf and no config.json).
+
+The GGUF is dequantised through transformers' GGUF loader into a Hugging Face directory inside the export's
+work directory, which is then exported as usual. Two things the loader gets wrong are set from the GGUF's own
+metadata: whether the tokenizer adds a BOS token (``tokenizer.ggml.add_bos_token``; the converter always
+adds one) and the EOS token's string (the converter writes the BOS token's). The manifest records the GGUF
+file's name and its sha256.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from rlxrt.errors import ExportError, MissingDependencyError
+
+
+def gguf_file(src: str | os.PathLike) -> Path | None:
+    """The GGUF file ``src`` names (the file itself, or the only .gguf in a directory without config.json),
+    else None."""
+    path = Path(src).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").is_file():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) > 1:
+            raise ExportError(f"{str(src)!r} holds {len(found)} GGUF files ({', '.join(f.name for f in found[:4])}); "
+                              "pass the one to export: rlxrt export DIR/NAME.gguf OUT")
+        return found[0] if found else None
+    return None
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def metadata(path: Path) -> dict:
+    """The GGUF's tokenizer facts rlxrt needs: tokens by id, bos/eos ids, add_bos_token (None if absent)."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise MissingDependencyError("exporting a GGUF needs the gguf package: pip install 'rlxrt[export]'") from None
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as exc:
+        raise ExportError(f"{str(path)!r} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+
+    def scalar(name):
+        field = reader.get_field(name)
+        return None if field is None else field.contents()
+
+    return {"architecture": scalar("general.architecture"),
+            "add_bos_token": scalar("tokenizer.ggml.add_bos_token"),
+            "bos_token_id": scalar("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": scalar("tokenizer.ggml.eos_token_id"), "tokens": scalar("tokenizer.ggml.tokens")}
+
+
+def dequantise(path: Path, out: Path, torch, transformers) -> dict:
+    """Write the Hugging Face directory of the GGUF ``path`` into ``out`` (fp32 safetensors, tokenizer with the
+    GGUF's BOS behaviour and special tokens); returns the ``source`` fields to record."""
+    meta = metadata(path)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                  dtype=torch.float32)
+        tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:
+        raise ExportError(f"transformers cannot load the GGUF {path.name!r} ({type(exc).__name__}: {exc}); "
+                          f"its architecture is {meta['architecture']!r}") from None
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    del model
+    _fix_tokenizer(out, meta)
+    return {"path_or_id": path.name, "gguf_sha256": sha256(path)}
+
+
+def _fix_tokenizer(out: Path, meta: dict) -> None:
+    from tokenizers import Tokenizer, processors
+
+    tokens, bos_id, eos_id = meta["tokens"], meta["bos_token_id"], meta["eos_token_id"]
+    bos = tokens[bos_id] if tokens is not None and bos_id is not None else None
+    eos = tokens[eos_id] if tokens is not None and eos_id is not None else None
+    add_bos = bool(meta["add_bos_token"]) if meta["add_bos_token"] is not None else bos is not None
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    if add_bos and bos is not None:
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                           special_tokens=[(bos, bos_id)])
+    else:
+        tok.post_processor = None
+    tok.save(str(out / "tokenizer.json"))
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    config.update({"add_bos_token": add_bos, **({"bos_token": bos} if bos else {}),
+                   **({"eos_token": eos} if eos else {})})
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
+    special = out / "special_tokens_map.json"
+    if special.is_file():
+        data = json.loads(special.read_text(encoding="utf-8"))
+        data.update({**({"bos_token": bos} if bos else {}), **({"eos_token": eos} if eos else {})})
+        special.write_text(json.dumps(data, indent=2, ensure_ascii=False), encoding="utf-8")
