@@ -120,7 +120,7 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
     """Export ``src`` (a local Hugging Face model directory, a hub id, or a GGUF file) into ``out``.
 
     ``graph`` is ``fused`` (rlxrt's own graph from the safetensors weights, no torch needed; the default for
-    llama, mistral and qwen2 in fp32, with a KV buffer of ``max_context`` positions) or ``portable``
+    llama, mistral, qwen2 and qwen3 in fp32, with a KV buffer of ``max_context`` positions) or ``portable``
     (optimum's graph, or rlxrt's recurrent graphs). ``runner(graph_path)`` returns a
     ``run(feeds) -> {name: array}`` callable for validation; ``rlxrt.export`` passes one built on
     ``rlxrt.backends.compile``. Validation against PyTorch needs torch and transformers; a fused export

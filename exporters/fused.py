@@ -1,4 +1,4 @@
-"""The fused decoder graph of a Llama-style model (llama, mistral, qwen2), built from its weights.
+"""The fused decoder graph of a Llama-style model (llama, mistral, qwen2, qwen3), built from its weights.
 
 No torch: the weights are read from safetensors with numpy and the graph is written with onnx helpers.
 One block per layer, as ONNX Runtime's contrib ops fuse it:
@@ -28,7 +28,7 @@ import numpy as np
 from rlxrt.errors import ExportError
 from rlxrt.manifest import KVCacheLayout
 
-FAMILIES = ("llama", "mistral", "qwen2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 TASK = "text-generation-fused"
 OPSET, MS = 17, "com.microsoft"
 PAST = ("past_key_values.{i}.key", "past_key_values.{i}.value", "present.{i}.key", "present.{i}.value")
@@ -105,6 +105,8 @@ class Spec:
         self.theta, self.rope_scaling = _rope(c)
         self.tied = bool(c.get("tie_word_embeddings", False))
         self.qkv_bias = self.model_type == "qwen2" or bool(c.get("attention_bias", False))
+        self.qk_norm = self.model_type == "qwen3"
+        """Qwen3 normalises each head of q and k (RMSNorm over head_dim) before the rotary embedding."""
         self.o_bias = self.model_type != "qwen2" and bool(c.get("attention_bias", False))
         max_pos = int(c.get("max_position_embeddings") or 2048)
         self.capacity = int(capacity) if capacity else max_pos
@@ -169,7 +171,7 @@ class Builder:
         from onnx import helper, numpy_helper
 
         self.spec, self.w, self.helper, self.numpy_helper = spec, weights, helper, numpy_helper
-        self.nodes, self.inits = [], []
+        self.nodes, self.inits, self.consts = [], [], set()
 
     def weight(self, name: str, array: np.ndarray) -> str:
         """An initializer; float weights are stored in the graph's compute type."""
@@ -187,7 +189,11 @@ class Builder:
         return self.node("Cast", [x], out, to=TensorProto.FLOAT)
 
     def const(self, name: str, values, dtype=np.int64) -> str:
-        return self.weight(name, np.asarray(values, dtype))
+        """A constant initializer, made once however many blocks use ``name``."""
+        if name not in self.consts:
+            self.consts.add(name)
+            self.weight(name, np.asarray(values, dtype))
+        return name
 
     def node(self, op: str, inputs: list[str], outputs: list[str] | str, domain: str = "", **attrs) -> str:
         outs = [outputs] if isinstance(outputs, str) else outputs
@@ -221,13 +227,31 @@ class Builder:
     def attention(self, i: int, x: str) -> str:
         s, p = self.spec, f"model.layers.{i}.self_attn"
         qkv = self.linear(x, [f"{p}.q_proj", f"{p}.k_proj", f"{p}.v_proj"], f"l{i}.qkv", bias=s.qkv_bias)
+        q, k, v = (qkv, "", "") if not s.qk_norm else self.head_norms(i, qkv)
         past_k, past_v, present_k, present_v = (n.format(i=i) for n in PAST)
         out = self.node("GroupQueryAttention",
-                        [qkv, "", "", past_k, past_v, "seqlens_k", "total_sequence_length", "cos_cache", "sin_cache"],
+                        [q, k, v, past_k, past_v, "seqlens_k", "total_sequence_length", "cos_cache", "sin_cache"],
                         [f"l{i}.attn", present_k, present_v], domain=MS, num_heads=s.heads, kv_num_heads=s.kv_heads,
                         scale=1.0 / math.sqrt(s.head_dim), do_rotary=1, rotary_interleaved=0,
                         local_window_size=s.windows[i])
         return self.linear(out, [f"{p}.o_proj"], f"l{i}.o", bias=s.o_bias)
+
+    def head_norms(self, i: int, qkv: str) -> tuple[str, str, str]:
+        """Qwen3's q_norm and k_norm: the packed projection split into q, k, v, and q and k normalised per
+        head (RMSNorm over head_dim, one weight shared by the heads); rotary stays inside the attention op."""
+        s, p = self.spec, f"model.layers.{i}.self_attn"
+        sizes = [s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim]
+        q, k, v = (f"l{i}.{n}" for n in "qkv")
+        self.node("Split", [qkv, self.const(f"l{i}.qkv_sizes", sizes)], [q, k, v], axis=-1)
+        per_head, flat = self.const("per_head", [0, 0, -1, s.head_dim]), self.const("heads_flat", [0, 0, -1])
+        out = []
+        for name, x in (("q_norm", q), ("k_norm", k)):
+            heads = self.node("Reshape", [x, per_head], f"l{i}.{name}.in")
+            w = self.weight(f"{p}.{name}.weight", self.take(f"{p}.{name}.weight"))
+            normed = self.node("SimplifiedLayerNormalization", [heads, w], f"l{i}.{name}.out", axis=-1,
+                               epsilon=s.eps, stash_type=1)
+            out.append(self.node("Reshape", [normed, flat], f"l{i}.{name}"))
+        return out[0], out[1], v
 
     def mlp(self, i: int, x: str) -> str:
         p = f"model.layers.{i}.mlp"

@@ -21,7 +21,8 @@ def make_tokenizer(out: Path, vocab_size: int = 320, chat_template: str | None =
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"] + (["<|im_start|>", "<|im_end|>"] if chat_template else []),
+    chat_tokens = ["<|im_start|>", "<|im_end|>"] if chat_template else []
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"] + chat_tokens,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS * 20, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
@@ -34,7 +35,8 @@ def make_tokenizer(out: Path, vocab_size: int = 320, chat_template: str | None =
 
 def make_model(family: str, out: Path, *, seed: int = 0, layers: int = 2, hidden: int = 64,
                tokenizer: bool = True, init: float = 0.2, chat_template: str | None = None):
-    """Save a random-init causal LM of ``family`` (llama, qwen2, mistral, gpt2, mamba, falcon_mamba, jamba) in ``out``."""
+    """Save a random-init causal LM of ``family`` (llama, qwen2, qwen3, mistral, gpt2, mamba, falcon_mamba, jamba)
+    in ``out``."""
     import torch
     import transformers as tf
 
@@ -62,10 +64,11 @@ def make_model(family: str, out: Path, *, seed: int = 0, layers: int = 2, hidden
     else:
         cfg_cls, cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
                         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+                        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
                         "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[family]
         cfg = cfg_cls(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False, **common)
+                      tie_word_embeddings=False, **({"head_dim": hidden // 4} if family == "qwen3" else {}), **common)
     torch.manual_seed(seed)
     model = cls(cfg).eval()
     model.save_pretrained(str(out))

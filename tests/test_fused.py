@@ -19,7 +19,7 @@ from lossless import assert_first_two_tokens_follow, two_token_marginals
 pytestmark = pytest.mark.export
 CFG = Config(intra_op_threads=1, cache=False)
 PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
-FAMILIES = ["llama", "qwen2", "mistral"]
+FAMILIES = ["llama", "qwen2", "mistral", "qwen3"]
 
 
 def torch_logits(exported, family, ids, seed=0):

@@ -16,7 +16,7 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32
     quantisation. Validation against PyTorch runs unless ``validate=False``.
     ``with_hidden_states`` adds the last hidden state as an output (for ``MtpHead``).
     ``graph`` is ``fused`` (rlxrt's own graph with fused attention and a KV buffer of ``max_context``
-    positions; the default for llama, mistral and qwen2 in fp32, built without torch) or ``portable``
+    positions; the default for llama, mistral, qwen2 and qwen3 in fp32, built without torch) or ``portable``
     (optimum's graph). The portable path needs ``pip install 'rlxrt[export]'``.
     """
     from rlxrt.checks import as_bool, as_float, as_int

@@ -279,7 +279,7 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("--atol", type=float, help="validation tolerance (max abs logit diff, scaled by max |logit|)")
     p.add_argument("--graph", choices=["fused", "portable"],
                    help="fused: rlxrt's own graph (fused attention, a KV buffer bound in place, only the logits rows "
-                        "needed; default for llama, mistral, qwen2 in fp32; no torch needed); portable: optimum's")
+                        "needed; default for llama, mistral, qwen2, qwen3 in fp32; no torch needed); portable: optimum's")
     p.add_argument("--max-context", type=int, help="fused graphs: KV buffer length (default: the model's max positions)")
     p.add_argument("--with-hidden-states", action="store_true",
                    help="also output the last hidden state (needed by an MTP head drafting for this target)")
