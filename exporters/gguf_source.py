@@ -57,7 +57,8 @@ def metadata(path: Path) -> dict:
     return {"architecture": scalar("general.architecture"),
             "add_bos_token": scalar("tokenizer.ggml.add_bos_token"),
             "bos_token_id": scalar("tokenizer.ggml.bos_token_id"),
-            "eos_token_id": scalar("tokenizer.ggml.eos_token_id"), "tokens": scalar("tokenizer.ggml.tokens")}
+            "eos_token_id": scalar("tokenizer.ggml.eos_token_id"), "tokens": scalar("tokenizer.ggml.tokens"),
+            "eot_token_id": scalar("tokenizer.ggml.eot_token_id")}
 
 
 def dequantise(path: Path, out: Path, torch, transformers) -> dict:
@@ -75,7 +76,20 @@ def dequantise(path: Path, out: Path, torch, transformers) -> dict:
     tok.save_pretrained(str(out))
     del model
     _fix_tokenizer(out, meta)
+    _end_tokens(out, meta)
     return {"path_or_id": path.name, "gguf_sha256": sha256(path)}
+
+
+def _end_tokens(out: Path, meta: dict) -> None:
+    """generation_config.json's eos_token_id: the GGUF's EOS and its end-of-turn token (``eot_token_id``,
+    e.g. Gemma's <end_of_turn>), both of which end a generation in llama.cpp."""
+    ids = [i for i in (meta["eos_token_id"], meta["eot_token_id"]) if i is not None]
+    if not ids:
+        return
+    path = out / "generation_config.json"
+    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    config["eos_token_id"] = list(dict.fromkeys(int(i) for i in ids))
+    path.write_text(json.dumps(config, indent=2), encoding="utf-8")
 
 
 def _fix_tokenizer(out: Path, meta: dict) -> None:

@@ -28,6 +28,7 @@ Graph interface (H = hidden size, R = state size)::
 """
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -46,6 +47,8 @@ CHUNK = 32
 GRAPH = "model.onnx"
 INPUTS = ("input_ids", "hidden_states", "state")
 OUTPUTS = ("logits", "hidden_out", "states")
+VOCAB_IDS = "draft_vocab.json"
+"""A reduced head's token ids (its output rows in order), also stored in its graph."""
 
 
 @dataclass(frozen=True)
@@ -55,13 +58,22 @@ class HeadConfig:
     state_size: int = 256
     intermediate_size: int = 512
     rms_norm_eps: float = 1e-6
+    draft_vocab: int = 0
+    """Tokens the head drafts (its output layer's rows); 0: the whole vocabulary."""
 
 
-def build_head(torch, cfg: HeadConfig, embedding, unembedding=None):
+def build_head(torch, cfg: HeadConfig, embedding, unembedding=None, vocab_ids=None, train_embedding=False):
     """The head as a torch module. ``embedding`` [V, H] is the target's input embedding and
-    ``unembedding`` [V, H] its LM head weight (None when tied); both are copied and frozen."""
+    ``unembedding`` [V, H] its LM head weight (None when tied); both are copied and frozen.
+
+    With ``vocab_ids`` [N] (a reduced draft vocabulary) the head works in N tokens: ``embedding`` is then
+    [N + 1, H] (row N for every token outside the subset) and ``unembedding`` [N, H] (the target's output rows
+    of those tokens); its graph still returns logits over the full vocabulary, -inf outside the subset, so a
+    Session uses it like any head and the acceptance rule sees a draft distribution that is zero there.
+    ``train_embedding`` lets the input embedding learn (when it is an estimate, not the target's own)."""
     nn = torch.nn
     H, R, I = cfg.hidden_size, cfg.state_size, cfg.intermediate_size
+    V = cfg.vocab_size
 
     class RMSNorm(nn.Module):
         def __init__(self):
@@ -74,9 +86,18 @@ def build_head(torch, cfg: HeadConfig, embedding, unembedding=None):
     class MtpHead(nn.Module):
         def __init__(self):
             super().__init__()
-            self.embed = nn.Parameter(embedding.detach().clone().float(), requires_grad=False)
+            self.embed = nn.Parameter(embedding.detach().clone().float(), requires_grad=train_embedding)
             self.unembed = None if unembedding is None else \
                 nn.Parameter(unembedding.detach().clone().float(), requires_grad=False)
+            self.vocab_size = V
+            self.reduced = vocab_ids is not None
+            if self.reduced:
+                ids = torch.as_tensor(vocab_ids, dtype=torch.long)
+                slot = torch.full((V,), len(ids), dtype=torch.long)
+                slot[ids] = torch.arange(len(ids))
+                self.register_buffer("vocab_ids", ids)
+                self.register_buffer("slot", slot)
+                self.register_buffer("masked", torch.full((V,), float("-inf")))
             self.norm_h, self.norm_e, self.norm_m, self.norm_f = RMSNorm(), RMSNorm(), RMSNorm(), RMSNorm()
             self.fuse = nn.Linear(2 * H, H, bias=False)
             self.gate_in = nn.Linear(H, 2 * R)
@@ -86,12 +107,13 @@ def build_head(torch, cfg: HeadConfig, embedding, unembedding=None):
 
         def gates(self, ids):
             """Per position: log a_p and (1 - a_p) * v_p, from the token alone."""
-            e = self.norm_e(nn.functional.embedding(ids, self.embed))
+            e = self.norm_e(nn.functional.embedding(self.slot[ids] if self.reduced else ids, self.embed))
             pre, v = self.gate_in(e).chunk(2, dim=-1)
             return e, -nn.functional.softplus(-pre), torch.sigmoid(-pre) * v
 
         def mix(self, h, e, states):
-            """Everything after the recurrence: the predicted hidden state and the logits."""
+            """Everything after the recurrence: the predicted hidden state and the logits over the head's own
+            vocabulary (N tokens when reduced: ``full`` spreads them over the whole one)."""
             z = self.fuse(torch.cat([self.norm_h(h), e], dim=-1)) + self.state_out(states)
             g, u = self.up(self.norm_m(z)).chunk(2, dim=-1)
             z = z + self.down(nn.functional.silu(g) * u)
@@ -100,6 +122,13 @@ def build_head(torch, cfg: HeadConfig, embedding, unembedding=None):
 
         def out_weight(self):
             return self.embed if self.unembed is None else self.unembed
+
+        def full(self, logits):
+            """Logits over the whole vocabulary: the head's own, -inf for tokens it never drafts."""
+            if not self.reduced:
+                return logits
+            base = self.masked.expand(*logits.shape[:-1], V)
+            return base.scatter(-1, self.vocab_ids.expand(*logits.shape[:-1], -1), logits)
 
         def scan_loop(self, log_a, b, s0):
             """Training form: [B, T, R] sequentially (any length)."""
@@ -114,7 +143,7 @@ def build_head(torch, cfg: HeadConfig, embedding, unembedding=None):
             e, log_a, b = self.gates(input_ids[0])                     # [s, H], [s, R], [s, R]
             states = closed_form_scan(torch, log_a, b, state)           # [s, R]
             logits, hid = self.mix(hidden_states[0], e[-1:], states[-1:])
-            return logits[None], hid[None], states
+            return self.full(logits)[None], hid[None], states
 
     return MtpHead()
 
@@ -132,7 +161,7 @@ def export_head(torch, head, path) -> None:
         torch.onnx.export(head.eval(), args, str(path), input_names=list(INPUTS), output_names=list(OUTPUTS),
                           opset_version=17, dynamo=False, do_constant_folding=False,
                           dynamic_axes={"input_ids": {1: "s"}, "states": {0: "s"}})
-    _name_output_shapes(path, H, R, head.embed.shape[0])
+    _name_output_shapes(path, H, R, head.vocab_size)
 
 
 def _name_output_shapes(path, H: int, R: int, V: int) -> None:
@@ -163,8 +192,8 @@ def head_manifest(cfg: HeadConfig, target: Manifest, validation: dict) -> Manife
         bos_token_id=target.bos_token_id, eos_token_ids=target.eos_token_ids, pad_token_id=target.pad_token_id,
         tokenizer=None, source={"task": "mtp-head", "config": asdict(cfg), "weights_stored_as": "float16"}, versions=versions(),
         validation=validation,
-        draft_head={"kind": "mtp", "hidden_size": cfg.hidden_size,
-                    "target": _target_record(target)})
+        draft_head={"kind": "mtp", "hidden_size": cfg.hidden_size, "target": _target_record(target),
+                    **({"draft_vocab": cfg.draft_vocab, "draft_vocab_ids": VOCAB_IDS} if cfg.draft_vocab else {})})
 
 
 def _target_record(target: Manifest) -> dict:
@@ -181,12 +210,13 @@ def validate_head(torch, head, run, tolerance: float = TOLERANCE["float32"], pro
     the states of all positions."""
     H, R = head.embed.shape[1], head.state_out.in_features
     rng = np.random.default_rng(0)
-    ids = rng.integers(0, head.embed.shape[0], size=(1, prompt_len + step_len), dtype=np.int64)
+    ids = rng.integers(0, head.vocab_size, size=(1, prompt_len + step_len), dtype=np.int64)
     hidden = rng.standard_normal((1, prompt_len + step_len, H)).astype(np.float32)
     with torch.no_grad():
         e, log_a, b = head.gates(torch.from_numpy(ids))
         states = head.scan_loop(log_a, b, torch.zeros(1, R))
         ref, ref_hid = head.mix(torch.from_numpy(hidden), e, states)
+        ref = head.full(ref)
     end = prompt_len + step_len
     a = run({"input_ids": ids[:, :prompt_len], "hidden_states": hidden[:, prompt_len - 1:prompt_len],
              "state": np.zeros(R, np.float32)})
@@ -195,7 +225,13 @@ def validate_head(torch, head, run, tolerance: float = TOLERANCE["float32"], pro
     diffs = {"max_abs_diff_hidden": float(np.abs(np.concatenate([a["hidden_out"], c["hidden_out"]], 1)
                                                  - ref_hid.numpy()[:, last]).max()),
              "max_abs_diff_state": float(np.abs(np.concatenate([a["states"], c["states"]]) - states[0].numpy()).max())}
-    return compare(a["logits"], c["logits"], ref.numpy()[:, last], tolerance, **diffs)
+    got_a, got_c, ref = a["logits"], c["logits"], ref.numpy()[:, last]
+    if head.reduced:  # the same tokens masked (-inf), then the drafted ones compared as numbers
+        masked = ~np.isfinite(ref)
+        same = bool((~np.isfinite(np.concatenate([got_a, got_c], 1)) == masked).all())
+        diffs["masked_tokens_differ"] = 0.0 if same else float("inf")
+        got_a, got_c, ref = (np.where(np.isfinite(x), x, 0.0) for x in (got_a, got_c, ref))
+    return compare(got_a, got_c, ref, tolerance, **diffs)
 
 
 def write_head(torch, head, cfg: HeadConfig, target: Manifest, out: Path, run_for) -> Manifest:
@@ -212,5 +248,7 @@ def write_head(torch, head, cfg: HeadConfig, target: Manifest, out: Path, run_fo
     if not record["passed"]:
         raise ExportError(f"MTP head validation failed: ORT and torch differ ({record}); nothing usable was written")
     manifest = head_manifest(cfg, target, record)
+    if head.reduced:
+        (out / VOCAB_IDS).write_text(json.dumps(head.vocab_ids.tolist()), encoding="utf-8")
     manifest.write(out)
     return manifest

@@ -41,16 +41,15 @@ class ChatTemplate:
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text of ``messages`` (a list of {"role": ..., "content": ...}), ending with the assistant's
         turn opener when ``add_generation_prompt``."""
-        import jinja2
-
         checked = check_messages(messages)
         try:
-            return self.template.render(messages=checked, add_generation_prompt=bool(add_generation_prompt),
-                                        **self.special)
+            return self.template.render(messages=checked, tools=None, documents=None,
+                                        add_generation_prompt=bool(add_generation_prompt), **self.special)
         except GenerationError:
             raise
-        except jinja2.TemplateError as exc:
-            raise GenerationError(f"the model's chat template refused these messages: {exc}") from None
+        except Exception as exc:  # jinja2.TemplateError, or a TypeError inside the template's own code
+            raise GenerationError(f"the model's chat template refused these messages: {type(exc).__name__}: "
+                                  f"{exc}") from None
 
 
 def check_messages(messages) -> list[dict[str, str]]:

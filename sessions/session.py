@@ -69,6 +69,8 @@ class _Result:
 
 class Stream:
     """The text pieces of one request as they become final; ``generation`` holds the result once it ends.
+    A round that makes no text final (special tokens, text that may begin a stop string) yields ``""``, so
+    every ``next()`` is at most one round.
 
     Use it as an iterator, or as a context manager that closes it (ending it as "cancelled" if unfinished)::
 
@@ -363,6 +365,7 @@ class Session:
                     del ctx.tokens[len(ctx.tokens) - len(new) + hit + 1:]
                     new = new[:hit + 1]
                     finish, reason = "stop", new[-1]
+                said = False
                 if text is not None:
                     for n, t in enumerate(new):
                         piece = text.push(t)
@@ -371,6 +374,7 @@ class Session:
                             del ctx.tokens[cut:]
                             finish, reason = "stop", text.stop
                         if piece:
+                            said = True
                             p0 = time.perf_counter()
                             yield piece
                             paused += time.perf_counter() - p0
@@ -381,6 +385,13 @@ class Session:
                             break
                 if finish == "stop":
                     break
+                if not said:  # nothing final this round (special tokens, a possible stop string, no tokenizer):
+                    p0 = time.perf_counter()  # still one step per round, so a caller can stop between rounds
+                    yield ""
+                    paused += time.perf_counter() - p0
+                    if claim.cancelled:
+                        finish = "cancelled"
+                        return
             if text is not None and text.stop is None:
                 tail = text.finish()
                 if tail:

@@ -2,6 +2,7 @@
 real ONNX graphs. Every answer is compared with the same request run directly on a Session."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 import urllib.request
@@ -113,6 +114,7 @@ BAD = [
     ({"top_k": -1}, "top_k"), ({"wibble": 1}, "wibble"), ({"prompt": ""}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": [5, 99999]}, "prompt"), ({"prompt": "x " * 3000}, "prompt"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stream": True, "stream_options": {"include_usage": "no"}}, "stream_options"),
 ]
 
 
@@ -136,7 +138,19 @@ def test_chat_errors_and_health(spec):
             c.chat.completions.create(model="m", messages=messages)
         assert err.value.body["param"] == param
     with pytest.raises(openai.NotFoundError):
-        c.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+        c.completions.create(model="gm-4", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi", "tool_calls": []}])
+    assert err.value.body["param"] == "messages[0]" and "tool_calls" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                  max_completion_tokens=6)
+    assert err.value.body["param"] == "max_completion_tokens"
+    named = [{"role": "user", "content": "def add(a, b):", "name": "ann"}]
+    assert c.chat.completions.create(model="m", messages=named, max_tokens=4, temperature=0).choices[0].message
+    with pytest.raises(openai.APIStatusError) as err:
+        c.completions.create(model="m", prompt="x" * (9 << 20), max_tokens=2)
+    assert err.value.status_code == 413
     plain = Running(options(TARGET))  # the shipped target has no chat template
     try:
         with pytest.raises(openai.BadRequestError, match="no chat template"):
@@ -146,6 +160,16 @@ def test_chat_errors_and_health(spec):
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(req, timeout=10)
         assert err.value.code == 400 and b"not JSON" in err.value.read()
+        # lone surrogates are valid JSON escapes but not text (the openai client cannot even send them)
+        for body, param in ((b'{"prompt": "def f(\\ud800", "max_tokens": 2}', "prompt"),
+                            (b'{"prompt": "x", "stop": ["\\udfff"]}', "stop"),
+                            (b'{"prompt": "x", "\\udfff": 1}', "body")):
+            req = urllib.request.Request(f"{plain.url}/v1/completions", data=body, method="POST",
+                                         headers={"content-type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(req, timeout=10)
+            answer = json.loads(err.value.read())
+            assert err.value.code == 400 and answer["error"]["param"] == param, answer
     finally:
         plain.stop()
     assert '"status":"ok"' in _get(f"{spec.url}/health")

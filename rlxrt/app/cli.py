@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .serve.command import add_serve_commands
 
     add_serve_commands(add, runtime_flags)
+    from .train_head import add_train_head
+
+    add_train_head(add, runtime_flags)
     return parser
 
 

@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import Request
 
-from rlxrt.errors import GenerationError, RlxrtError
+from rlxrt.errors import GenerationError, RlxrtError, UsageError
 
 from . import protocol as api
 from .metrics import Metrics
@@ -20,6 +20,8 @@ from .pool import Closed, Job, Pool, QueueFull, Work
 log = logging.getLogger("rlxrt.serve")
 POLL = 0.25
 """Seconds between checks that a waiting client is still connected."""
+MAX_BODY = 8 << 20
+"""Largest request body (bytes)."""
 
 
 class Server:
@@ -31,6 +33,11 @@ class Server:
         s = pool.session
         self.session = s
         self.max_positions = s.manifest.max_positions
+        if s.codec is None:
+            raise UsageError(f"{s.manifest.source.get('path_or_id', 'the target')!r} was exported without a "
+                             "tokenizer; the server answers with text, so it needs one: re-export with the tokenizer")
+        if s.has_chat_template:
+            s.chat_prompt([{"role": "user", "content": "hi"}])  # a template that does not load fails now
 
     def work(self, req: api.Request) -> Work:
         """The prompt ids and generation arguments of a checked request (400 for what only the model can
@@ -42,7 +49,7 @@ class Server:
                     raise api.ApiError(400, f"model {self.model!r} has no chat template (its export kept none); use "
                                             "/v1/completions with a plain prompt", "messages")
                 ids = s.chat_prompt(req.messages)
-                extra = list(s.manifest.chat["end_of_turn_ids"])
+                extra = [] if req.ignore_eos else list(s.manifest.chat["end_of_turn_ids"])
             else:
                 ids = s.prompt_ids(req.prompt)
                 extra = []
@@ -70,19 +77,25 @@ class Server:
 
 
 async def _watch(job: Job, request) -> None:
-    """Cancel the job when its client goes away (the worker stops at its next round); one task per request."""
+    """Cancel the job when its client goes away, or when it is past its deadline while still waiting for a
+    worker (the worker stops at its next round, or skips it); one task per request."""
     while not job.cancel.is_set():
         await asyncio.sleep(POLL)
         if await request.is_disconnected():
             job.cancel.set()
             job.events.put_nowait(("disconnected", None))
+        elif time.monotonic() > job.deadline + 2 * POLL and not job.started:
+            job.cancel.set()
+            job.events.put_nowait(("timeout", None))
 
 
-def _failure(kind: str, value: Any) -> api.ApiError:
+def _failure(kind: str, value: Any, started: bool = False) -> api.ApiError:
+    """The error answer of a job's last event; a GenerationError is the client's fault only before the
+    request started (its arguments), after that it is the model's (e.g. NaN logits): a 500."""
     if kind == "timeout":
         return api.ApiError(504, "the request ran past the server's --request-timeout; ask for fewer tokens",
                             None, "timeout")
-    if isinstance(value, GenerationError):
+    if isinstance(value, GenerationError) and not started:
         return api.ApiError(400, str(value))
     if isinstance(value, RlxrtError):
         return api.ApiError(500, f"{type(value).__name__}: {value}", None, "server_error")
@@ -145,12 +158,15 @@ def build_app(server: Server):
         return Response(data, media_type=content_type)
 
     async def generate(request: Request, chat: bool):
+        raw = await request.body()
+        if len(raw) > MAX_BODY:
+            raise api.ApiError(413, f"the request body has {len(raw)} bytes; at most {MAX_BODY} are accepted")
         try:
-            body = await request.json()
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise api.ApiError(400, "the request body is not JSON") from None
         req = api.parse(body, chat, server.model)
-        job = server.submit(server.work(req))
+        job = server.submit(await asyncio.to_thread(server.work, req))  # templates and tokenising: off the loop
         watcher = asyncio.create_task(_watch(job, request))
         streaming = False
         try:
@@ -170,7 +186,7 @@ def build_app(server: Server):
                 if kind == "disconnected":
                     return Response(status_code=499)
                 if kind != "text":
-                    raise _failure(kind, value)
+                    raise _failure(kind, value, started=True)
         finally:
             if not streaming:
                 job.cancel.set()  # a no-op once the job ended
@@ -210,7 +226,7 @@ async def _sse(server: Server, req: api.Request, rid: str, job: Job, watcher: as
             elif kind == "disconnected":
                 return
             else:
-                yield event(_failure(kind, value).body())
+                yield event(_failure(kind, value, started=True).body())
                 break
         yield "data: [DONE]\n\n"
     finally:

@@ -49,14 +49,18 @@ class ServerProcess:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url, self.label = f"http://127.0.0.1:{self.port}", label
+        import tempfile
+
+        self.log = tempfile.TemporaryFile(mode="w+")  # drained by the OS, read back on failure
         self.proc = subprocess.Popen([sys.executable, "-m", "rlxrt", "serve", "--port", str(self.port), *flags],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.DEVNULL, stderr=self.log, text=True)
 
     def wait_ready(self, seconds: float = 120) -> None:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RlxrtError(f"the {self.label} server exited: {self.proc.stderr.read()[-2000:]}")
+                self.log.seek(0)
+                raise RlxrtError(f"the {self.label} server exited: {self.log.read()[-2000:]}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2):
                     return
@@ -215,11 +219,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         print(json.dumps({k: v for k, v in report.items() if k != "rss_mb"}, indent=2))
         print(f"wrote {out / 'soak.json'}", file=sys.stderr)
         return 0 if report["mismatches"] == 0 and report["errors"] == 0 else 1
-    servers = {"plain": ServerProcess(plain_flags, "plain")}
-    for k in ks:
-        label = f"{name} k={k or (2 if name in ('draft', 'mtp') else 4)}"
-        servers[label] = ServerProcess(_server_flags(args, k)[1], label)
+    servers = {}
     try:
+        servers["plain"] = ServerProcess(plain_flags, "plain")
+        for k in ks:
+            label = f"{name} k={k or (2 if name in ('draft', 'mtp') else 4)}"
+            servers[label] = ServerProcess(_server_flags(args, k)[1], label)
         for s in servers.values():
             s.wait_ready()
         runs: dict[str, dict[int, list[dict]]] = {k: {c: [] for c in levels} for k in servers}

@@ -9,6 +9,7 @@ time); they share the compiled graphs, which ONNX Runtime runs from several thre
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rlxrt.errors import RlxrtError
+
+log = logging.getLogger("rlxrt.serve")
 
 
 @dataclass
@@ -45,6 +48,8 @@ class Job:
     """Set when the client went away: the worker stops at its next round."""
     arrived: float = field(default_factory=time.monotonic)
     first_token: float | None = None
+    started: bool = False
+    """A worker took it (set on the worker thread; read by the watcher)."""
     timed_out: bool = False
     failed: bool = False
     """An exception ended it (reported to the client)."""
@@ -98,14 +103,14 @@ class Pool:
                 raise QueueFull(f"all {len(self.sessions)} workers are busy and {self.max_queue} requests are "
                                 "queued; retry later")
             self._admitted += 1
-        self._queue.put(job)
+            self._queue.put(job)  # under the lock: never behind close()'s stop sentinels
 
     def close(self, timeout: float | None = None) -> None:
         """Take no new requests, let the admitted ones finish, then stop the workers."""
         with self._lock:
             self._closed = True
-        for _ in self._threads:
-            self._queue.put(None)
+            for _ in self._threads:
+                self._queue.put(None)
         for t in self._threads:
             t.join(timeout)
 
@@ -125,10 +130,14 @@ class Pool:
                     self._running -= 1
                     self._admitted -= 1
                 if self._on_done is not None:
-                    self._on_done(job, generation)
+                    try:
+                        self._on_done(job, generation)
+                    except Exception:  # metrics must never take a worker down
+                        log.exception("recording a request's metrics failed")
 
     @staticmethod
     def _run(session, job: Job):
+        job.started = True
         if job.cancel.is_set():
             return None
         if time.monotonic() > job.deadline:

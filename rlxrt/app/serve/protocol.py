@@ -69,6 +69,7 @@ class Request:
 def parse(body: Any, chat: bool, model: str) -> Request:
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    _check_text(body)
     allowed = CHAT if chat else COMPLETION
     unknown = sorted(set(body) - allowed)
     if unknown:
@@ -86,9 +87,12 @@ def parse(body: Any, chat: bool, model: str) -> Request:
     prompt, messages = (None, _messages(body)) if chat else (_prompt(body), None)
     limit = _integer(body, "max_completion_tokens", None, 1, MAX_NEW_TOKENS) if chat else None
     max_tokens = _integer(body, "max_tokens", limit if chat else 16, 1, MAX_NEW_TOKENS)
+    if limit is not None and body.get("max_tokens") is not None and max_tokens != limit:
+        raise bad("max_completion_tokens", f"{limit} disagrees with max_tokens {max_tokens}; send one of them")
     options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
-        raise bad("stream_options", f"must be {{'include_usage': bool}}, got {options!r}")
+    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}
+                                or not isinstance(options.get("include_usage", False), bool)):
+        raise bad("stream_options", f"must be {{'include_usage': true | false}}, got {options!r}")
     stream = _flag(body, "stream")
     if options is not None and not stream:
         raise bad("stream_options", "is only allowed with stream: true")
@@ -99,6 +103,24 @@ def parse(body: Any, chat: bool, model: str) -> Request:
                    seed=_integer(body, "seed", None, 0, (1 << 63) - 1),
                    stop=_stop(body), stream=stream, include_usage=bool((options or {}).get("include_usage")),
                    ignore_eos=_flag(body, "ignore_eos"))
+
+
+def _check_text(value, where: str = "body") -> None:
+    """Every string of the body must be text UTF-8 can carry (JSON allows lone surrogates, which no
+    tokenizer can encode)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad(where, "holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text; send valid "
+                             "Unicode") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_text(k, where)
+            _check_text(v, k if where == "body" and isinstance(k, str) else where)
+    elif isinstance(value, list):
+        for v in value:
+            _check_text(v, where)
 
 
 def _same(a, b) -> bool:
@@ -180,7 +202,12 @@ def _messages(body: dict) -> list[dict]:
             content = "".join(c["text"] for c in content)
         if not isinstance(content, str):
             raise bad(f"messages[{i}].content", f"must be text, got {str(content)[:80]!r}")
-        out.append({"role": msg["role"], "content": content})
+        extra = set(msg) - {"role", "content", "name"}
+        if extra:
+            raise bad(f"messages[{i}]", f"field(s) {', '.join(sorted(extra))} are not supported (role, content, name)")
+        if "name" in msg and not isinstance(msg["name"], str):
+            raise bad(f"messages[{i}].name", f"must be text, got {msg['name']!r}")
+        out.append({"role": msg["role"], "content": content, **({"name": msg["name"]} if "name" in msg else {})})
     return out
 
 

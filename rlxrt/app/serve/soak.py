@@ -10,8 +10,8 @@ from typing import Any
 def run_soak(server, prompts: list[str], n: int, concurrency: int, max_tokens: int, seed: int) -> dict[str, Any]:
     from .loadgen import mixed_bodies
 
-    server.wait_ready()
     try:
+        server.wait_ready()
         return asyncio.run(_soak(server, mixed_bodies(prompts, n, max_tokens, seed), concurrency))
     finally:
         server.stop()

@@ -1,0 +1,215 @@
+"""``rlxrt train-head TARGET --corpus PATH... --out HEAD``: an MTP draft head for any exported target that
+has a ``hidden_states`` output (export it with ``--with-hidden-states``), trained on the target's own graph.
+
+Steps: read the corpus (text files, directories of them, or JSON lists of texts; held-out documents split
+off by file) → tokenise with the target's tokenizer → run the target over windows through rlxrt (its hidden
+states and the log-normaliser of its logits) → choose the draft vocabulary (the N most frequent tokens of the
+training text) and recover the target's output rows of those tokens from its own outputs → train the head
+(torch, ``exporters/head_train.py``) → export and validate it → measure its acceptance per position on the
+held-out documents through a real Session.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from rlxrt.errors import UsageError
+from rlxrt.files import read_json, read_text
+
+WINDOW = 256
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".json", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ".html")
+
+
+def add_train_head(add, runtime_flags) -> None:
+    p = add("train-head", cmd_train_head, "train an MTP draft head for an exported target on a text corpus "
+                                          "(the target's own graph is the teacher; needs rlxrt[export] for torch)")
+    p.add_argument("target", help="target model directory, exported with --with-hidden-states")
+    p.add_argument("--corpus", nargs="+", required=True, help="text files, directories of text files, or .json "
+                                                              "files holding a list of texts")
+    p.add_argument("--out", required=True, help="the head's model directory")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--batch", type=int, default=8, help="windows of 256 tokens per step")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draft-vocab", type=int, default=4096,
+                   help="tokens the head drafts: the N most frequent of the corpus (0: the whole vocabulary)")
+    p.add_argument("--max-tokens", type=int, default=200_000, help="training tokens the target is run over")
+    p.add_argument("--heldout", type=float, default=0.1, help="share of the documents held out (by file)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/.train/checkpoint.pt")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+    runtime_flags(p, threads=2)
+
+
+def documents(paths: list[str]) -> list[tuple[str, str]]:
+    """(name, text) of every document: a text file, each file under a directory (UTF-8 text only), or each
+    string of a .json list."""
+    docs = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
+            for f in files:
+                try:
+                    docs.append((str(f), f.read_text(encoding="utf-8")))
+                except (UnicodeDecodeError, OSError):
+                    continue  # a directory may hold binary files; named files must be text (below)
+        elif path.suffix.lower() == ".json":
+            data = read_json(path, "--corpus")
+            if not isinstance(data, list) or not all(isinstance(t, str) for t in data):
+                raise UsageError(f"--corpus {raw!r}: a .json corpus must hold a list of texts")
+            docs += [(f"{raw}[{i}]", t) for i, t in enumerate(data)]
+        else:
+            docs.append((raw, read_text(path, "--corpus")))
+    docs = [(n, t) for n, t in docs if t.strip()]
+    if len(docs) < 2:
+        raise UsageError(f"the corpus holds {len(docs)} non-empty document(s); pass at least 2 (held-out text is "
+                         "split off by document)")
+    return docs
+
+
+def split(docs: list, share: float) -> tuple[list, list]:
+    """Every k-th document held out (k = 1 / share), at least one each way."""
+    k = max(2, round(1 / share))
+    held = [d for i, d in enumerate(docs) if i % k == k - 1] or docs[-1:]
+    train = [d for d in docs if d not in held]
+    return train, held
+
+
+def teacher(model, stream: np.ndarray, windows: int, keep_logits_rows: int, vocab_ids: np.ndarray | None):
+    """Run the target over ``windows`` windows of WINDOW + 1 tokens of ``stream``: TeacherData, and (hidden,
+    logits over the draft vocabulary) of the first ``keep_logits_rows`` positions for ``output_rows``."""
+    from rlxrt.exporters.head_train import TeacherData
+
+    T = WINDOW
+    tokens = np.stack([stream[i * T:i * T + T + 1] for i in range(windows)]).astype(np.int64)
+    hidden, lse, fit_h, fit_l = [], [], [], []
+    for w in tokens:
+        model.reset()
+        logits = model.forward(w[:T]).astype(np.float64)
+        top = logits.max(-1, keepdims=True)
+        lse.append((top[:, 0] + np.log(np.exp(logits - top).sum(-1))).astype(np.float32))
+        h = np.asarray(model.hidden, np.float32).reshape(T, -1)
+        hidden.append(h.astype(np.float16))
+        if sum(len(x) for x in fit_h) < keep_logits_rows:
+            fit_h.append(h)
+            fit_l.append(logits if vocab_ids is None else logits[:, vocab_ids])
+    model.reset()
+    fit = (np.concatenate(fit_h), np.concatenate(fit_l)) if fit_h else (None, None)
+    return (TeacherData(tokens, np.stack(hidden), np.stack(lse)), *fit)
+
+
+def cmd_train_head(args: argparse.Namespace) -> int:
+    from rlxrt.backends import compile
+    from rlxrt.sessions.state import decoder_for
+    from rlxrt.sessions.text import codec_for
+
+    from .cli import _config
+
+    for flag, value, low in (("--steps", args.steps, 1), ("--batch", args.batch, 1), ("--draft-vocab", args.draft_vocab, 0),
+                             ("--max-tokens", args.max_tokens, 2 * WINDOW)):
+        if value < low:
+            raise UsageError(f"{flag} must be >= {low}, got {value}")
+    if not (0 < args.heldout < 1) or not (math.isfinite(args.lr) and args.lr > 0):
+        raise UsageError(f"--heldout must be in (0, 1) and --lr positive, got {args.heldout} and {args.lr}")
+    try:
+        import torch
+    except ImportError:
+        raise UsageError("train-head trains with torch: pip install torch==2.13.0 (or 'rlxrt[export]')") from None
+    config = _config(args, intra_op_threads=2)
+    graph = compile(args.target, config)
+    m = graph.manifest
+    if m is None or not m.outputs.get("hidden_states") or m.draft_head:
+        raise UsageError(f"{args.target!r} has no hidden_states output; re-export the target with "
+                         "`rlxrt export SRC OUT --with-hidden-states`")
+    codec = codec_for(graph)
+    if codec is None:
+        raise UsageError(f"{args.target!r} was exported without a tokenizer; train-head tokenises text with it")
+    say = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    train_docs, held_docs = split(documents(args.corpus), args.heldout)
+    sep = list(m.eos_token_ids[:1])
+    stream = np.array([t for _, text in train_docs for t in codec.encode(text, add_special_tokens=False) + sep],
+                      np.int64)[:args.max_tokens + 1]
+    held_stream = np.array([t for _, text in held_docs for t in codec.encode(text, add_special_tokens=False) + sep],
+                           np.int64)
+    windows, held_windows = (len(stream) - 1) // WINDOW, min(16, (len(held_stream) - 1) // WINDOW)
+    if windows < 1 or held_windows < 1:
+        raise UsageError(f"the corpus gives {len(stream)} training and {len(held_stream)} held-out tokens; each needs "
+                         f"at least {WINDOW + 1}")
+    V = m.vocab_size
+    n = args.draft_vocab if 0 < args.draft_vocab < V else 0
+    vocab_ids = np.sort(np.argsort(-np.bincount(stream, minlength=V), kind="stable")[:n]) if n else None
+    say(f"train-head: {len(train_docs)} training / {len(held_docs)} held-out documents, {windows * WINDOW} "
+        f"training tokens; draft vocabulary {n or V} of {V}")
+    model = decoder_for(graph)
+    hidden_size = model.fetch_hidden()
+    data, fit_h, fit_l = teacher(model, stream, windows, 4 * hidden_size, vocab_ids)
+    held, *_ = teacher(model, held_stream, held_windows, 0, vocab_ids)
+    return _train_and_export(args, torch, graph, config, m, data, held, fit_h, fit_l, vocab_ids, hidden_size, say)
+
+
+def _train_and_export(args, torch, graph, config, m, data, held, fit_h, fit_l, vocab_ids, hidden_size,
+                      say) -> int:
+    from rlxrt.exporters.head_train import output_rows, train, write_log
+    from rlxrt.exporters.mtp import HeadConfig, build_head, write_head
+
+    from .api import runner
+
+    if len(fit_h) < hidden_size:
+        raise UsageError(f"the corpus is too small to recover the target's output rows ({len(fit_h)} positions, "
+                         f"{hidden_size} needed); pass more text")
+    w, err = output_rows(fit_h, fit_l)
+    if err > 1e-3:
+        raise UsageError(f"the target's logits are not a linear function of its hidden_states output (relative "
+                         f"error {err:.2g}); train-head needs hidden_states to be the LM head's input")
+    torch.set_num_threads(max(1, args.threads or 2))
+    torch.manual_seed(args.seed)
+    n = 0 if vocab_ids is None else len(vocab_ids)
+    cfg = HeadConfig(hidden_size=hidden_size, vocab_size=m.vocab_size, draft_vocab=n)
+    t = torch.from_numpy
+    if vocab_ids is None:  # the full vocabulary: its recovered rows, frozen, in and out (a tied target's exactly)
+        head = build_head(torch, cfg, t(w))
+    else:  # its rows out (frozen); in: the same rows and one for every other token, learnt
+        head = build_head(torch, cfg, t(np.concatenate([w, w.mean(0, keepdims=True)])), t(w), vocab_ids,
+                          train_embedding=True)
+    out = Path(args.out)
+    (out / ".train").mkdir(parents=True, exist_ok=True)
+
+    def report(rec):
+        line = (f"\r  step {rec['step']}/{args.steps}  loss {rec['loss']:.3f}  agree {rec['agree1']:.2f}  "
+                f"{rec['tokens_per_second']:.0f} tok/s")
+        if "heldout" in rec:
+            line += f"  held-out agree {rec['heldout']['agree1']:.2f}\n"
+        say(line) if "heldout" in rec else (None if args.quiet else print(line, end="", file=sys.stderr, flush=True))
+
+    log = train(torch, head, data, held, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
+                checkpoint=out / ".train" / "checkpoint.pt", resume=args.resume, report=report)
+    write_log(log, out / ".train" / "log.jsonl")
+    manifest = write_head(torch, head, cfg, m, out, runner)
+    measured = measure(graph, out, held, config)
+    record = {"draft_vocab": n or m.vocab_size, "steps": args.steps, "output_rows_error": err,
+              "heldout": log[-1].get("heldout"), "validation": manifest.validation, **measured}
+    (out / "train_report.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    print(json.dumps({k: v for k, v in record.items() if k != "validation"}, indent=2))
+    return 0
+
+
+def measure(graph, head_dir: Path, held, config, prompts: int = 8, prompt_len: int = 64,
+            new_tokens: int = 48) -> dict:
+    """Greedy acceptance per draft position (k = 4) of the head on held-out windows, through a Session."""
+    from rlxrt.sessions import MtpHead, Session
+
+    session = Session(graph, MtpHead(head_dir, config), config, k=4)
+    drafted, accepted = np.zeros(4), np.zeros(4)
+    for w in held.tokens[:prompts]:
+        g = session.generate(w[:prompt_len].tolist(), max_new_tokens=new_tokens, ignore_eos=True)
+        d, a = g.stats.drafted_per_position, g.stats.accepted_per_position
+        drafted[:len(d)] += d
+        accepted[:len(a)] += a
+    per_pos = [round(float(a / d), 4) if d else 0.0 for a, d in zip(accepted, drafted)]
+    return {"heldout_acceptance_per_position": per_pos, "heldout_prompts": int(min(prompts, len(held.tokens))),
+            "acceptance_measured_with": f"greedy, k=4, {prompt_len}-token prompts, {new_tokens} new tokens"}

@@ -1,0 +1,152 @@
+"""`rlxrt train-head`: a head trained on a tiny exported target's own graph (KV and recurrent), with the full
+and a reduced draft vocabulary; speculation with it stays exact (greedy equal, sampled by chi-square, with a
+negative control that breaks the acceptance rule and must fail)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from rlxrt.app.cli import main
+from rlxrt.config import Config
+from rlxrt.sampling import SamplingParams
+from rlxrt.speculator import AcceptDecision
+
+pytestmark = pytest.mark.export
+CFG = Config(intra_op_threads=1, cache=False)
+PROMPT = "def add(a, b):\n    return a + b\n"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from hf_models import CORPUS
+
+    d = tmp_path_factory.mktemp("corpus")
+    rng = np.random.default_rng(0)
+    for i in range(12):  # documents of shuffled corpus lines: held-out split by file
+        lines = [line for text in CORPUS for line in text.splitlines()] * 6
+        rng.shuffle(lines)
+        (d / f"doc{i:02d}.py").write_text("\n".join(lines) + "\n")
+    (d / "binary.bin").write_bytes(bytes(range(256)))  # not a text suffix: skipped
+    return d
+
+
+def _train(target, corpus, out, *extra):
+    rc = main(["train-head", str(target), "--corpus", str(corpus), "--out", str(out), "--steps", "60",
+               "--batch", "4", "--max-tokens", "6000", "--threads", "1", "--quiet", *extra])
+    assert rc == 0
+    log = [json.loads(line) for line in (out / ".train" / "log.jsonl").read_text().splitlines()]
+    first, last = np.mean([r["loss"] for r in log[:10]]), np.mean([r["loss"] for r in log[-10:]])
+    assert last < 0.9 * first, (first, last)  # it learns (a random target is near uniform: its floor is high)
+    return json.loads((out / "train_report.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def llama(exported):
+    return exported("llama", with_hidden=True)
+
+
+@pytest.fixture(scope="module")
+def reduced_head(llama, corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("heads") / "reduced"
+    report = _train(llama, corpus, out, "--draft-vocab", "64")
+    return out, report
+
+
+def test_full_vocabulary_head(llama, corpus, tmp_path, capsys):
+    from rlxrt.manifest import Manifest
+    from rlxrt.sessions import MtpHead, Session
+
+    report = _train(llama, corpus, tmp_path / "head", "--draft-vocab", "0")
+    assert report["draft_vocab"] == 320 and report["output_rows_error"] < 1e-4 and report["validation"]["passed"]
+    assert len(report["heldout_acceptance_per_position"]) == 4
+    m = Manifest.load(tmp_path / "head")
+    assert m.draft_head["kind"] == "mtp" and "draft_vocab" not in m.draft_head
+    plain = Session(llama, None, CFG).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+    s = Session(llama, MtpHead(tmp_path / "head", CFG), CFG, k=3)
+    g = s.generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+    assert g.token_ids == plain.token_ids and g.stats.drafted > 0  # exact (a random target: few accepted)
+
+
+def test_reduced_vocabulary_head_is_greedy_exact(llama, reduced_head):
+    from rlxrt.manifest import Manifest
+    from rlxrt.sessions import MtpHead, Session
+
+    out, report = reduced_head
+    m = Manifest.load(out)
+    ids = json.loads((out / "draft_vocab.json").read_text())
+    assert m.draft_head["draft_vocab"] == 64 == len(ids) == len(set(ids)) and report["draft_vocab"] == 64
+    head = MtpHead(out, CFG)
+    plain = Session(llama, None, CFG).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+    s = Session(llama, head, CFG, k=4)
+    assert s.generate(PROMPT, max_new_tokens=40, ignore_eos=True).token_ids == plain.token_ids
+    drafted = set()
+    orig = head.propose
+
+    def spy(ctx, k):
+        p = orig(ctx, k)
+        drafted.update(p.tokens.tolist())
+        return p
+
+    head.propose = spy
+    s.generate(PROMPT, max_new_tokens=30, temperature=0.8, seed=3, ignore_eos=True)
+    assert drafted and drafted <= set(ids)  # it drafts only its own tokens
+
+
+def test_reduced_vocabulary_head_sampled_is_lossless(llama, reduced_head, monkeypatch):
+    """First and second tokens against the target's exact marginals; then, as a negative control, the same
+    test with an acceptance rule that ignores the draft's probabilities (accepts when p/q > 0.5) must fail."""
+    from lossless import assert_first_two_tokens_follow, two_token_marginals
+
+    from rlxrt.backends import compile
+    from rlxrt.sessions import MtpHead, Session
+    from rlxrt.sessions.state import decoder_for
+
+    out, _ = reduced_head
+    prompt = [5, 17, 42, 9]
+    p1, p2 = two_token_marginals(decoder_for(compile(llama, CFG)), prompt, SamplingParams(temperature=1.0))
+    s = Session(llama, MtpHead(out, CFG), CFG, k=2)
+    assert_first_two_tokens_follow(s, prompt, p1, p2, draws=4000)
+    assert s.stats.accepted > 0
+
+    from rlxrt.sampling import sample
+
+    def wrong(p, q, draft, rng):
+        for i in range(len(draft)):
+            if p[i, draft[i]] / q[i, draft[i]] <= 0.5:
+                return AcceptDecision(i, np.array([*draft[:i], sample(p[i], rng)]), False)
+        return AcceptDecision(len(draft), np.array([*draft, sample(p[len(draft)], rng)]), True)
+
+    monkeypatch.setattr("rlxrt.sessions.session.speculative_accept", wrong)
+    broken = Session(llama, MtpHead(out, CFG), CFG, k=2)
+    with pytest.raises(AssertionError):
+        assert_first_two_tokens_follow(broken, prompt, p1, p2, draws=4000)
+
+
+def test_train_head_on_a_recurrent_target(exported, corpus, tmp_path):
+    from rlxrt.sessions import MtpHead, Session
+
+    mamba = exported("mamba", with_hidden=True)
+    report = _train(mamba, corpus, tmp_path / "head", "--draft-vocab", "100")
+    assert report["validation"]["passed"]
+    plain = Session(mamba, None, CFG).generate(PROMPT, max_new_tokens=30, ignore_eos=True)
+    g = Session(mamba, MtpHead(tmp_path / "head", CFG), CFG, k=3).generate(PROMPT, max_new_tokens=30,
+                                                                           ignore_eos=True)
+    assert g.token_ids == plain.token_ids
+
+
+def test_train_head_usage_errors(exported, corpus, tmp_path, capsys):
+    no_hidden = exported("llama")
+    assert main(["train-head", str(no_hidden), "--corpus", str(corpus), "--out", str(tmp_path / "h")]) == 2
+    assert "--with-hidden-states" in capsys.readouterr().err
+    one = tmp_path / "one.txt"
+    one.write_text("just one document")
+    assert main(["train-head", str(exported("llama", with_hidden=True)), "--corpus", str(one),
+                 "--out", str(tmp_path / "h")]) == 2
+    assert "at least 2" in capsys.readouterr().err
+    assert main(["train-head", str(no_hidden), "--corpus", str(corpus), "--out", str(tmp_path / "h"),
+                 "--steps", "0"]) == 2
+    assert main(["train-head", str(exported("llama", with_hidden=True)), "--corpus", str(corpus),
+                 "--out", str(tmp_path / "h2"), "--steps", "5", "--resume", "--quiet"]) == 1
+    assert "no checkpoint" in capsys.readouterr().err
