@@ -34,3 +34,14 @@ def test_bench_on_a_tiny_random_pair_writes_json_and_png(exported, tmp_path):
     png = (tmp_path / "b" / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert "temperature 0.7" in r.stdout and "hf assisted" in r.stdout
+
+
+def test_smollm2_demo_says_how_to_build_it(tmp_path, monkeypatch, capsys):
+    from rlxrt.app.cli import main
+
+    monkeypatch.setenv("RLXRT_SMOLLM2_DIR", str(tmp_path / "nothing-here"))
+    assert main(["demo", "--model", "smollm2"]) == 2
+    err = capsys.readouterr().err
+    assert "not built" in err and "python -m rlxrt.app.recipe --smollm2" in err
+    assert main(["demo", "--model", "smollm2", "--draft", "x"]) == 2
+    assert "drop --draft" in capsys.readouterr().err

