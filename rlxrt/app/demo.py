@@ -10,7 +10,7 @@ from typing import TextIO
 
 
 def run_demo(target: Path, draft: Path | None, prompt: str, *, max_new_tokens: int = 128, k: int | None = None,
-             config=None, repeats: int = 3, out: TextIO = sys.stdout, head: Path | None = None,
+             config=None, repeats: int = 3, out: TextIO | None = None, head: Path | None = None,
              chat: bool = False) -> dict:
     """``config`` (an ``rlxrt.Config``; default: 1 intra-op thread on the CPU) is used for both models; the
     speculator is the ``draft`` model, or the MTP ``head``; ``chat`` sends the prompt as a user message."""
@@ -18,6 +18,7 @@ def run_demo(target: Path, draft: Path | None, prompt: str, *, max_new_tokens: i
     from rlxrt.config import Config
     from rlxrt.sessions import DraftModel, MtpHead, Session
 
+    out = out if out is not None else sys.stdout  # looked up per call: a default would pin the import-time one
     config = config if config is not None else Config(intra_op_threads=1, providers=("cpu",))
     threads = config.intra_op_threads or "ORT's default"
     t0 = time.perf_counter()
