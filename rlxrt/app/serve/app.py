@@ -43,21 +43,11 @@ class Server:
         """The prompt ids and generation arguments of a checked request (400 for what only the model can
         refuse: no tokenizer, no chat template, a prompt too long, token ids out of range)."""
         s = self.session
-        try:
-            if req.chat:
-                if not s.has_chat_template:
-                    raise api.ApiError(400, f"model {self.model!r} has no chat template (its export kept none); use "
-                                            "/v1/completions with a plain prompt", "messages")
-                ids = s.chat_prompt(req.messages)
-                extra = [] if req.ignore_eos else list(s.manifest.chat["end_of_turn_ids"])
-            else:
-                ids = s.prompt_ids(req.prompt)
-                extra = []
+        try:  # the Session's own checks: the template exists, ids in range, the prompt fits the context
+            ids = s.prompt_ids(s.chat_prompt(req.messages) if req.chat else req.prompt)
         except GenerationError as exc:
             raise api.ApiError(400, str(exc), "messages" if req.chat else "prompt") from None
-        if len(ids) >= self.max_positions:
-            raise api.ApiError(400, f"the prompt has {len(ids)} tokens; the model's context is {self.max_positions} "
-                                    "tokens", "messages" if req.chat else "prompt")
+        extra = list(s.manifest.chat["end_of_turn_ids"]) if req.chat and not req.ignore_eos else []
         max_new = req.max_tokens if req.max_tokens is not None else self.max_positions - len(ids)
         kwargs = dict(max_new_tokens=max_new, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                       seed=req.seed, stop=req.stop or None, stop_token_ids=extra or None, ignore_eos=req.ignore_eos)
