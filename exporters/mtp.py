@@ -38,10 +38,10 @@ from rlxrt.errors import ExportError
 from rlxrt.manifest import Manifest, StateLayout, StateTensor
 
 from .deps import versions
+from .head_graph import HEAD_INT4, HeadWeights, build_head_graph
 from .scan import closed_form_scan
 from .source import recorded_name
 from .validate import TOLERANCE, compare
-from .variants import store_weights_fp16
 
 CHUNK = 32
 GRAPH = "model.onnx"
@@ -148,49 +148,19 @@ def build_head(torch, cfg: HeadConfig, embedding, unembedding=None, vocab_ids=No
     return MtpHead()
 
 
-def export_head(torch, head, path) -> None:
-    import warnings
-
-    H = head.embed.shape[1]
-    R = head.state_out.in_features
-    args = (torch.zeros((1, 3), dtype=torch.long), torch.zeros((1, 1, H)), torch.zeros(R))
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the TorchScript exporter is deprecated but exports this loop-free graph
-        # no constant folding: it would store the output embedding a second time, transposed (ORT folds
-        # the transposes when it loads the graph)
-        torch.onnx.export(head.eval(), args, str(path), input_names=list(INPUTS), output_names=list(OUTPUTS),
-                          opset_version=17, dynamo=False, do_constant_folding=False,
-                          dynamic_axes={"input_ids": {1: "s"}, "states": {0: "s"}})
-    _name_output_shapes(path, H, R, head.vocab_size)
-
-
-def _name_output_shapes(path, H: int, R: int, V: int) -> None:
-    """The exporter leaves the outputs' sizes as generated names; write the real ones."""
-    import onnx
-
-    proto = onnx.load(str(path))
-    shapes = {"logits": [1, 1, V], "hidden_out": [1, 1, H], "states": ["s", R]}
-    for out in proto.graph.output:
-        for dim, size in zip(out.type.tensor_type.shape.dim, shapes[out.name]):
-            dim.Clear()
-            if isinstance(size, int):
-                dim.dim_value = size
-            else:
-                dim.dim_param = size
-    onnx.save(proto, str(path))
-
-
-def head_manifest(cfg: HeadConfig, target: Manifest, validation: dict) -> Manifest:
+def head_manifest(cfg: HeadConfig, target: Manifest, validation: dict, quantize: str | None = None) -> Manifest:
     """The head's manifest: the target's vocabulary and limits, one state tensor, the target it drafts for."""
     return Manifest(
         architecture="RlxrtMtpHead", model_type="mtp-head", vocab_size=cfg.vocab_size,
-        max_positions=target.max_positions, graph=GRAPH, dtype="float32",
+        max_positions=target.max_positions, graph=GRAPH, dtype="int4" if quantize else "float32",
+        quantization=dict(HEAD_INT4) if quantize else None,
         inputs={"input_ids": "input_ids", "hidden_states": "hidden_states", "attention_mask": None,
                 "position_ids": None},
         outputs={"logits": "logits", "hidden_states": "hidden_out"}, kv_cache=None,
         state=StateLayout((StateTensor("state", "states", (cfg.state_size,), "float32"),), CHUNK),
         bos_token_id=target.bos_token_id, eos_token_ids=target.eos_token_ids, pad_token_id=target.pad_token_id,
-        tokenizer=None, source={"task": "mtp-head", "config": asdict(cfg), "weights_stored_as": "float16"}, versions=versions(),
+        tokenizer=None, versions=versions(),
+        source={"task": "mtp-head", "config": asdict(cfg), "weights_stored_as": "int4" if quantize else "float16"},
         validation=validation,
         draft_head={"kind": "mtp", "hidden_size": cfg.hidden_size, "target": _target_record(target),
                     **({"draft_vocab": cfg.draft_vocab, "draft_vocab_ids": VOCAB_IDS} if cfg.draft_vocab else {})})
@@ -234,20 +204,25 @@ def validate_head(torch, head, run, tolerance: float = TOLERANCE["float32"], pro
     return compare(got_a, got_c, ref, tolerance, **diffs)
 
 
-def write_head(torch, head, cfg: HeadConfig, target: Manifest, out: Path, run_for) -> Manifest:
-    """Export ``head`` into the model directory ``out``, validated; ``run_for(graph_path)`` gives a
-    ``run(feeds) -> {name: array}`` (the application's ``runner``). The weights are rounded to float16 and
-    stored so (half the file); the graph computes in float32."""
+def write_head(torch, head, cfg: HeadConfig, target: Manifest, out: Path, run_for,
+               quantize: str | None = None) -> Manifest:
+    """Write ``head``'s graph (``head_graph``) into the model directory ``out``, validated against the torch
+    head; ``run_for(graph_path)`` gives a ``run(feeds) -> {name: array}`` (the application's ``runner``).
+    float32: the weights are rounded to float16 and stored so (half the file), computed in float32, and
+    must match the torch head to float32 tolerance. ``quantize="int4"``: the projections and the output
+    layer as int4 blocks (``HEAD_INT4``), checked to int4 tolerance."""
+    if quantize not in (None, "int4"):
+        raise ExportError(f"an MTP head quantises to int4 only, not {quantize!r}")
     out.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():  # weights on the float16 grid: stored as float16, computed in float32, validated as is
         for p in head.parameters():
             p.copy_(p.half().float())
-    export_head(torch, head, out / GRAPH)
-    store_weights_fp16(out / GRAPH)
-    record = validate_head(torch, head, run_for(out / GRAPH))
+    build_head_graph(HeadWeights.from_state_dict(head.state_dict(), cfg.rms_norm_eps), cfg.vocab_size,
+                     out / GRAPH, quantize)
+    record = validate_head(torch, head, run_for(out / GRAPH), TOLERANCE["int4" if quantize else "float32"])
     if not record["passed"]:
         raise ExportError(f"MTP head validation failed: ORT and torch differ ({record}); nothing usable was written")
-    manifest = head_manifest(cfg, target, record)
+    manifest = head_manifest(cfg, target, record, quantize)
     if head.reduced:
         (out / VOCAB_IDS).write_text(json.dumps(head.vocab_ids.tolist()), encoding="utf-8")
     manifest.write(out)

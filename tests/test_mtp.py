@@ -22,7 +22,7 @@ CFG = Config(intra_op_threads=1, cache=False)
 PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
 
 
-def make_head(target_dir, src_dir, out, seed=0):
+def make_head(target_dir, src_dir, out, seed=0, quantize=None):
     import torch
     import transformers as tf
 
@@ -38,7 +38,7 @@ def make_head(target_dir, src_dir, out, seed=0):
         for p in head.parameters():
             if p.requires_grad and p.dim() == 2:
                 p.normal_(0, 0.3)
-    write_head(torch, head, cfg, rlxrt.Manifest.load(target_dir), out, runner)
+    write_head(torch, head, cfg, rlxrt.Manifest.load(target_dir), out, runner, quantize)
     return out
 
 
@@ -155,6 +155,31 @@ def test_greedy_with_the_mtp_head_equals_plain_greedy(target, head, plain, k):
     g = Session(target, MtpHead(head, CFG), CFG, k=k).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
     assert g.token_ids == plain
     assert g.stats.drafted > 0 and g.stats.providers["draft"] == ["cpu"]
+
+
+@pytest.fixture(scope="module")
+def int4_head(exported, target, tmp_path_factory):
+    return make_head(target, exported.source("llama", seed=0), tmp_path_factory.mktemp("mtp") / "head4",
+                     quantize="int4")
+
+
+def test_an_int4_head_is_cheaper_and_speculation_with_it_stays_exact(target, head, int4_head, plain):
+    import onnx
+
+    m = rlxrt.Manifest.load(int4_head)
+    assert m.dtype == "int4" and m.quantization["method"] == "MatMulNBits" and m.validation["passed"]
+    assert 0 < m.validation["max_abs_diff"] <= m.validation["tolerance"]  # int4 is not float32, but close
+    ops = [n.op_type for n in onnx.load(str(int4_head / "model.onnx")).graph.node]
+    assert ops.count("MatMulNBits") == 5 and "MatMul" not in ops
+    for k in (1, 3):
+        g = Session(target, MtpHead(int4_head, CFG), CFG, k=k).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+        assert g.token_ids == plain and g.stats.drafted > 0
+    # the state path is quantised too, and still a function of the tokens alone: the per-position states of
+    # one call equal feeding the same tokens one at a time (what makes commit exact without a re-run)
+    tokens = [3, 17, 5, 40, 2]
+    m4 = StateModel(compile(int4_head, CFG))
+    m4.forward(tokens, np.zeros((1, 64), np.float32))
+    np.testing.assert_allclose(m4.state()[0], sequential_state(int4_head, tokens), atol=1e-4)
 
 
 def test_a_one_token_prompt_drafts_from_the_second_round_on(target, head, exported):

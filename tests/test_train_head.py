@@ -58,11 +58,12 @@ def test_full_vocabulary_head(llama, corpus, tmp_path, capsys):
     from rlxrt.manifest import Manifest
     from rlxrt.sessions import MtpHead, Session
 
-    report = _train(llama, corpus, tmp_path / "head", "--draft-vocab", "0")
+    report = _train(llama, corpus, tmp_path / "head", "--draft-vocab", "0", "--quantize", "none")
     assert report["draft_vocab"] == 320 and report["output_rows_error"] < 1e-4 and report["validation"]["passed"]
     assert len(report["heldout_acceptance_per_position"]) == 4
     m = Manifest.load(tmp_path / "head")
     assert m.draft_head["kind"] == "mtp" and "draft_vocab" not in m.draft_head
+    assert m.dtype == "float32" and m.quantization is None and report["validation"]["max_abs_diff"] < 1e-4
     plain = Session(llama, None, CFG).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
     s = Session(llama, MtpHead(tmp_path / "head", CFG), CFG, k=3)
     g = s.generate(PROMPT, max_new_tokens=40, ignore_eos=True)
@@ -77,6 +78,11 @@ def test_reduced_vocabulary_head_is_greedy_exact(llama, reduced_head):
     m = Manifest.load(out)
     ids = json.loads((out / "draft_vocab.json").read_text())
     assert m.draft_head["draft_vocab"] == 64 == len(ids) == len(set(ids)) and report["draft_vocab"] == 64
+    assert m.dtype == "int4" and m.quantization["accuracy_level"] == 4 and report["quantize"] == "int4"
+    import onnx
+
+    ops = {n.op_type for n in onnx.load(str(out / "model.onnx")).graph.node}
+    assert "MatMulNBits" in ops and "MatMul" not in ops  # the default: every projection int4
     head = MtpHead(out, CFG)
     plain = Session(llama, None, CFG).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
     s = Session(llama, head, CFG, k=4)

@@ -46,7 +46,11 @@ def add_train_head(add, runtime_flags) -> None:
                         "default: min(4096, vocabulary / 2), see DEFAULT_DRAFT_VOCAB)")
     p.add_argument("--max-tokens", type=int, default=200_000, help="training tokens the target is run over")
     p.add_argument("--heldout", type=float, default=0.1, help="share of the documents held out (by file)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/.train/checkpoint.pt")
+    p.add_argument("--quantize", choices=("int4", "none"), default="int4",
+                   help="the head's graph: int4 projections computed with int8 activations (default: about 4x "
+                        "cheaper a step, see README) or none (float32)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/.train/checkpoint.pt (at the last "
+                                                        "step: only export again, e.g. with another --quantize)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     runtime_flags(p, threads=2)
 
@@ -197,9 +201,10 @@ def _train_and_export(args, torch, graph, config, m, data, held, fit_h, fit_l, v
     log = train(torch, head, data, held, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
                 checkpoint=out / ".train" / "checkpoint.pt", resume=args.resume, report=report)
     write_log(log, out / ".train" / "log.jsonl")
-    manifest = write_head(torch, head, cfg, m, out, runner)
+    manifest = write_head(torch, head, cfg, m, out, runner, None if args.quantize == "none" else args.quantize)
     measured = measure(graph, out, held, config)
-    record = {"draft_vocab": n or m.vocab_size, "steps": args.steps, "output_rows_error": err,
+    record = {"draft_vocab": n or m.vocab_size, "quantize": args.quantize, "steps": args.steps,
+              "output_rows_error": err,
               "heldout": log[-1].get("heldout"), "validation": manifest.validation, **measured}
     (out / "train_report.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     print(json.dumps({k: v for k, v in record.items() if k != "validation"}, indent=2))

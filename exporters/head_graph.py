@@ -1,0 +1,164 @@
+"""The MTP head's graph, written by rlxrt from the head's weights (no torch exporter).
+
+The same computation as the torch head (``mtp.build_head``) in about forty nodes, with ONNX Runtime's fused
+ops where they exist::
+
+    e      = RMSNorm(embedding[slot[input_ids]])                  # every fed position
+    pre, v = split(e @ W_gate + b_gate)
+    log a  = -softplus(-pre);  b = sigmoid(-pre) * v
+    states = closed-form scan of s_t = a_t s_{t-1} + b_t          # [R, s, s] weights, lower triangle
+    z      = [RMSNorm(h), e_last, state_last] @ W_z               # one MatMul for fuse and state_out
+    z      = z + down(silu(gate) * up)(RMSNorm(z))
+    hid    = RMSNorm(z);  logits = hid @ W_out                    # the last position only
+
+A reduced head (N drafted tokens) spreads its N logits over the vocabulary with one Gather through the slot
+map (row N is -inf). ``quantize="int4"`` stores the five projection weights as MatMulNBits blocks computed
+at accuracy level 4 (int8 activations): a draft's numbers need not match anything, since the acceptance rule
+uses the distribution the draft was actually sampled from, so a cheap head stays exact.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .fused import MS, OPSET, int4_blocks
+
+HEAD_INT4 = {"method": "MatMulNBits", "bits": 4, "block_size": 32, "symmetric": True, "accuracy_level": 4,
+             "covers": "the head's projections and output layer; its input embedding stays float16"}
+
+
+@dataclass(frozen=True)
+class HeadWeights:
+    """The head's tensors as numpy float32, Linear weights as torch stores them ([out, in])."""
+
+    embed: np.ndarray           # [E, H] input embedding (E = V, or N + 1 when reduced)
+    out: np.ndarray             # [N, H] output rows (the embedding itself when tied)
+    norms: dict                 # h, e, m, f -> [H]
+    fuse: np.ndarray            # [H, 2H]
+    gate_in: np.ndarray         # [2R, H]
+    gate_bias: np.ndarray       # [2R]
+    state_out: np.ndarray       # [H, R]
+    up: np.ndarray              # [2I, H]
+    down: np.ndarray            # [H, I]
+    slot: np.ndarray | None     # [V] int64: each token's row (N outside the subset); None: full vocabulary
+    eps: float
+
+    @classmethod
+    def from_state_dict(cls, sd: dict, eps: float) -> "HeadWeights":
+        f = {k: v.detach().float().numpy() if hasattr(v, "detach") else np.asarray(v) for k, v in sd.items()}
+        return cls(embed=f["embed"], out=f.get("unembed", f["embed"]),
+                   norms={n: f[f"norm_{n}.weight"] for n in "hemf"}, fuse=f["fuse.weight"],
+                   gate_in=f["gate_in.weight"], gate_bias=f["gate_in.bias"], state_out=f["state_out.weight"],
+                   up=f["up.weight"], down=f["down.weight"],
+                   slot=f["slot"].astype(np.int64) if "slot" in f else None, eps=eps)
+
+
+class _Graph:
+    def __init__(self, int4: bool):
+        from onnx import helper, numpy_helper
+
+        self.helper, self.numpy_helper, self.int4 = helper, numpy_helper, int4
+        self.nodes, self.inits = [], []
+
+    def init(self, name: str, array: np.ndarray, half: bool = False) -> str:
+        """An initializer; ``half`` stores a float one as float16 behind a Cast (ORT folds it at load)."""
+        array = np.ascontiguousarray(array)
+        if half and array.dtype == np.float32:
+            from onnx import TensorProto
+
+            self.inits.append(self.numpy_helper.from_array(array.astype(np.float16), name + "_fp16"))
+            return self.node("Cast", [name + "_fp16"], name, to=TensorProto.FLOAT)
+        self.inits.append(self.numpy_helper.from_array(array, name))
+        return name
+
+    def node(self, op: str, inputs: list[str], outputs: list[str] | str, domain: str = "", **attrs) -> str:
+        outs = [outputs] if isinstance(outputs, str) else outputs
+        self.nodes.append(self.helper.make_node(op, inputs, outs, name=f"{op}_{len(self.nodes)}", domain=domain,
+                                                **attrs))
+        return outs[0] if isinstance(outputs, str) else outs
+
+    def linear(self, x: str, w: np.ndarray, out: str) -> str:
+        """x @ w.T for a Linear weight w [out, in]: MatMul (float16-stored) or MatMulNBits."""
+        if not self.int4:
+            return self.node("MatMul", [x, self.init(f"{out}.weight", w.T, half=True)], out)
+        packed, scales = int4_blocks(w.T, HEAD_INT4["block_size"])
+        return self.node("MatMulNBits", [x, self.init(f"{out}.q4", packed), self.init(f"{out}.scales", scales)],
+                         out, domain=MS, K=w.shape[1], N=w.shape[0], bits=4, block_size=HEAD_INT4["block_size"],
+                         accuracy_level=HEAD_INT4["accuracy_level"])
+
+    def norm(self, x: str, w: np.ndarray, name: str, eps: float) -> str:
+        return self.node("SimplifiedLayerNormalization", [x, self.init(f"{name}.weight", w)], name, axis=-1,
+                         epsilon=eps, stash_type=1)
+
+
+def build_head_graph(w: HeadWeights, vocab_size: int, path: Path, quantize: str | None = None) -> None:
+    """Write the head's graph to ``path`` (inputs and outputs as ``mtp.INPUTS``/``mtp.OUTPUTS``)."""
+    import onnx
+    from onnx import TensorProto
+
+    g, eps = _Graph(quantize == "int4"), w.eps
+    H, R = w.embed.shape[1], w.state_out.shape[1]
+    ids = "input_ids" if w.slot is None else g.node("Gather", [g.init("slot", w.slot), "input_ids"], "rows")
+    e = g.norm(g.node("Gather", [g.init("embed", w.embed, half=True), ids], "embedded"), w.norms["e"], "e", eps)
+    pre, v = g.node("Split", [g.linear(e, w.gate_in, "gate_mm"), g.init("halves", np.array([R, R], np.int64))],
+                    ["pre", "v"], axis=-1)
+    # (the bias is added before the split in torch; adding each half's bias after it is the same sum)
+    pre = g.node("Add", [pre, g.init("bias_a", w.gate_bias[:R])], "pre_b")
+    v = g.node("Add", [v, g.init("bias_v", w.gate_bias[R:])], "v_b")
+    neg = g.node("Neg", [pre], "neg_pre")
+    log_a = g.node("Neg", [g.node("Softplus", [neg], "softplus")], "log_a")            # [1, s, R]
+    b = g.node("Mul", [g.node("Sigmoid", [neg], "one_minus_a"), v], "b")               # [1, s, R]
+    states = _scan(g, log_a, b)                                                        # [1, s, R]
+    g.node("Reshape", [states, g.init("rows_r", np.array([-1, R], np.int64))], "states")
+    last = g.init("last", np.array([-1], np.int64))
+    end, axis1 = g.init("end", np.array([np.iinfo(np.int64).max], np.int64)), g.init("axis1", np.array([1], np.int64))
+    e_last = g.node("Slice", [e, last, end, axis1], "e_last")
+    s_last = g.node("Slice", [states, last, end, axis1], "state_last")
+    h = g.norm("hidden_states", w.norms["h"], "h", eps)
+    cat = g.node("Concat", [h, e_last, s_last], "mix_in", axis=-1)                     # [1, 1, 2H + R]
+    z = g.linear(cat, np.concatenate([w.fuse, w.state_out], axis=1), "z")
+    gu = g.linear(g.norm(z, w.norms["m"], "m", eps), w.up, "gate_up")
+    gate, up = g.node("Split", [gu, g.init("mlp_halves", np.array([w.up.shape[0] // 2] * 2, np.int64))],
+                      ["mlp_gate", "mlp_up"], axis=-1)
+    act = g.node("Mul", [g.node("Mul", [gate, g.node("Sigmoid", [gate], "sig")], "silu"), up], "act")
+    down = g.linear(act, w.down, "down")
+    g.node("SkipSimplifiedLayerNormalization", [down, z, g.init("f.weight", w.norms["f"])], "hidden_out",
+           domain=MS, epsilon=eps)
+    if w.slot is None:
+        g.linear("hidden_out", w.out, "logits")
+    else:  # N logits, then -inf for every token outside the subset: one Gather through the slot map
+        own = g.linear("hidden_out", w.out, "own_logits")
+        padded = g.node("Concat", [own, g.init("minus_inf", np.full((1, 1, 1), -np.inf, np.float32))], "padded",
+                        axis=-1)
+        g.node("Gather", [padded, "slot"], "logits", axis=2)
+    h_ = g.helper
+    inputs = [h_.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "s"]),
+              h_.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [1, 1, H]),
+              h_.make_tensor_value_info("state", TensorProto.FLOAT, [R])]
+    outputs = [h_.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 1, vocab_size]),
+               h_.make_tensor_value_info("hidden_out", TensorProto.FLOAT, [1, 1, H]),
+               h_.make_tensor_value_info("states", TensorProto.FLOAT, ["s", R])]
+    graph = h_.make_graph(g.nodes, "rlxrt_mtp_head", inputs, outputs, g.inits)
+    model = h_.make_model(graph, opset_imports=[h_.make_opsetid("", OPSET), h_.make_opsetid(MS, 1)], ir_version=10,
+                          producer_name="rlxrt")
+    onnx.save(model, str(path))
+
+
+def _scan(g: _Graph, log_a: str, b: str) -> str:
+    """The states [1, s, R] after each position, in closed form (``scan.closed_form_scan``) laid out as
+    [1, R, t, u] so that the causal mask is a Trilu (a batched MatMul for the sum over u costs more than Mul and
+    ReduceSum at these sizes)."""
+    s_cum = g.node("CumSum", [g.node("Transpose", [log_a], "log_a_t", perm=[0, 2, 1]),
+                              g.init("axis2", np.array(2, np.int64))], "cum")                  # [1, R, s]
+    diff = g.node("Sub", [g.node("Unsqueeze", [s_cum, g.init("ax3", np.array([3], np.int64))], "cum_t"),
+                          g.node("Unsqueeze", [s_cum, g.init("ax2", np.array([2], np.int64))], "cum_u")], "diff")
+    weights = g.node("Trilu", [g.node("Exp", [diff], "decay")], "decay_causal", upper=0)  # [1, R, t, u]
+    b_u = g.node("Unsqueeze", [g.node("Transpose", [b], "b_t", perm=[0, 2, 1]), "ax2"], "b_u")  # [1, R, 1, u]
+    summed = g.node("ReduceSum", [g.node("Mul", [weights, b_u], "terms"), "ax3"], "summed_s", keepdims=0)
+    start = g.node("Mul", [g.node("Exp", [s_cum], "decay0"),
+                           g.node("Unsqueeze", ["state", g.init("ax01", np.array([0, 2], np.int64))], "s0")],
+                   "from_s0")                                                                   # [1, R, s]
+    total = g.node("Add", [summed, start], "states_t")
+    return g.node("Transpose", [total], "states_all", perm=[0, 2, 1])
