@@ -39,32 +39,3 @@ def to_int8(src: Path, dst: Path) -> None:
                          use_external_data_format=src.stat().st_size > 1_800_000_000)
     except Exception as exc:
         raise ExportError(f"int8 quantisation of {src} failed: {exc}") from None
-
-
-def store_weights_fp16(path: Path, min_elements: int = 1024) -> None:
-    """Store the large float32 weights of the graph at ``path`` as float16, each behind a Cast to float32.
-
-    Half the file; ORT folds the casts when it loads the graph, so compute stays float32. Lossless only
-    for weights already rounded to float16 (``write_head`` rounds the head's before exporting it).
-    """
-    import numpy as np
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    model = onnx.load(str(path))
-    g = model.graph
-    casts, keep = [], []
-    for init in g.initializer:
-        if init.data_type == TensorProto.FLOAT and int(np.prod(init.dims)) >= min_elements:
-            half = numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float16), init.name + "_fp16")
-            keep.append(half)
-            casts.append(helper.make_node("Cast", [half.name], [init.name], to=TensorProto.FLOAT,
-                                          name=init.name + "_to_fp32"))
-        else:
-            keep.append(init)
-    del g.initializer[:]
-    g.initializer.extend(keep)
-    nodes = casts + list(g.node)
-    del g.node[:]
-    g.node.extend(nodes)
-    _save(model, path)

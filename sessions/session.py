@@ -236,9 +236,13 @@ class Session:
 
     def chat_prompt(self, messages: Sequence[dict]) -> list[int]:
         """The prompt token ids of ``messages`` under the model's chat template (with the assistant's opener)."""
-        text = self._chat_template().render(messages, add_generation_prompt=True)
+        text = self.chat_text(messages)
         assert self.codec is not None  # an export keeps a template only with its tokenizer
         return self.codec.encode(text, add_special_tokens=False)
+
+    def chat_text(self, messages: Sequence[dict]) -> str:
+        """``messages`` rendered with the model's chat template, the assistant's opener included."""
+        return self._chat_template().render(messages, add_generation_prompt=True)
 
     @property
     def has_chat_template(self) -> bool:

@@ -36,6 +36,29 @@ def test_bench_on_a_tiny_random_pair_writes_json_and_png(exported, tmp_path):
     assert "temperature 0.7" in r.stdout and "hf assisted" in r.stdout
 
 
+@pytest.mark.export
+def test_bench_chat_sends_user_turns_and_stops_at_end_of_turn(exported, tmp_path):
+    from test_chat import CHATML
+
+    from rlxrt.app.bench import run_bench
+    from rlxrt.errors import UsageError
+
+    model = exported("llama", seed=3, chat_template=CHATML)
+    res = run_bench(model, None, ["def add(a, b):", "Write a loop."], max_new_tokens=12, repeats=1,
+                    temperatures=(0.0,), ks=(2,), progress=False, chat=True)
+    assert res["config"]["chat"] is True and set(res["temperatures"]["0.0"]) == {"plain", "prompt lookup k=4"}
+    # the prompts went through the template: the requests' prompt lengths are those of the rendered turns
+    from rlxrt.sessions import Session
+
+    s = Session(model)
+    lens = sorted(len(s.chat_prompt([{"role": "user", "content": p}])) for p in ["def add(a, b):", "Write a loop."])
+    assert res["config"]["step_time_context"] == int((lens[0] + lens[1]) / 2 + 6)
+    assert res["temperatures"]["0.0"]["plain"]["tokens_per_s"] > 0
+    with pytest.raises(UsageError, match="no chat template"):
+        run_bench(exported("llama"), None, ["x"], repeats=1, temperatures=(0.0,), ks=(2,), progress=False,
+                  chat=True)
+
+
 def test_smollm2_demo_says_how_to_build_it(tmp_path, monkeypatch, capsys):
     from rlxrt.app.cli import main
 

@@ -131,3 +131,36 @@ def test_no_template_is_a_clear_error(capsys):
     rc = main(["generate", "--target", str(target), "--prompt", "hi", "--chat"])
     err = capsys.readouterr().err
     assert rc == 2 and "no chat template" in err and "drop --chat" in err
+
+
+@pytest.mark.export
+def test_distill_writes_the_targets_own_dialogues_and_continues(exported, tmp_path, capsys):
+    """`rlxrt distill`: each document is the rendered user turn plus the target's reply (greedy and seeded
+    sampled, as Session.chat gives them), the end-of-turn token when the reply ended with it; a second run
+    continues after the documents already written; train-head reads the result as a corpus."""
+    from rlxrt.app.cli import main
+    from rlxrt.sessions import PromptLookup, Session
+
+    model = exported("llama", seed=3, chat_template=CHATML)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def add(a, b):\n\nWrite a loop.\nclass Stack:\n")
+    out = tmp_path / "corpus.json"
+    args = ["distill", str(model), "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "24",
+            "--temperatures", "0,0.9", "--seed", "5", "--threads", "1", "--quiet"]
+    assert main([*args, "--limit", "2"]) == 0
+    assert len(json.loads(out.read_text())) == 2
+    assert main(args) == 0
+    docs = json.loads(out.read_text())
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["documents"] == 3 and summary["chat_template"] is True
+    s = Session(model, PromptLookup())  # the speculator distill decodes with: the same seeded draws
+    for i, (prompt, temp) in enumerate([("def add(a, b):", 0.0), ("Write a loop.", 0.9), ("class Stack:", 0.0)]):
+        messages = [{"role": "user", "content": prompt}]
+        g = s.chat(messages, max_new_tokens=24, temperature=temp, seed=5 + i)
+        end = "<|im_end|>" if g.finish_reason == "stop" else ""
+        assert docs[i] == s.chat_text(messages) + g.text + end
+        if temp == 0:  # greedy replies are plain decoding's own
+            assert g.token_ids == Session(model).chat(messages, max_new_tokens=24).token_ids
+    assert main([*args, "--temperatures", "-1"]) == 2
+    assert "--temperatures must lie in 0..10" in capsys.readouterr().err
+    assert json.loads(out.read_text()) == docs  # a refused run leaves the corpus alone

@@ -299,3 +299,13 @@ def test_cli_generate_with_a_head(exported, target, head, plain):
     assert r.returncode == 2 and "needs --head DIR" in r.stderr
     r = cli("--head", str(head), "--speculator", "prompt-lookup", "--prompt", PROMPT)
     assert r.returncode == 2 and "exclude each other" in r.stderr
+
+
+def test_bench_runs_several_heads_side_by_side(target, head, int4_head):
+    from rlxrt.app.bench import run_bench
+
+    res = run_bench(target, None, [PROMPT], max_new_tokens=16, repeats=1, temperatures=(0.0,), ks=(2,),
+                    progress=False, head_dir=[head, int4_head], config=CFG)
+    rows = res["temperatures"]["0.0"]
+    assert {"mtp[head] k=2", "mtp[head4] k=2"} <= set(rows) and res["config"]["head"] == "head,head4"
+    assert all(rows[n]["acceptance_rate"] >= 0 and rows[n]["tokens_per_s"] > 0 for n in rows)

@@ -5,8 +5,7 @@ trained on the Python standard library that ships with the interpreter.
     python -m rlxrt.exporters.reference.train target WORK --steps N
     python -m rlxrt.exporters.reference.train draft  WORK --steps N   # distils from the target
     python -m rlxrt.app.recipe WORK                                    # export + install into rlxrt/assets
-    python -m rlxrt.exporters.reference.train_mtp WORK --steps N      # the target's MTP head
-    python -m rlxrt.app.recipe WORK --mtp                              # export + install the head
+    python -m rlxrt.app.recipe WORK --mtp                              # train-head: the target's MTP head
 
 See README "The reference pair" for seeds, sizes and timings.
 """

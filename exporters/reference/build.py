@@ -1,11 +1,11 @@
 """Export the trained reference pair and install it as rlxrt's shipped assets.
 
     python -m rlxrt.app.recipe WORK          # target, draft, prompts, recipe
-    python -m rlxrt.app.recipe WORK --mtp    # the MTP head (after train_mtp)
+    python -m rlxrt.app.recipe WORK --mtp    # the MTP head (rlxrt train-head on the installed target)
 
 Writes rlxrt/assets/reference/{target,draft} (ONNX, manifest, tokenizer; the
 target with its last hidden state as an output, for the MTP head),
-rlxrt/assets/reference/mtp (the head trained by train_mtp.py),
+rlxrt/assets/reference/mtp (the head, trained by ``rlxrt train-head``: rlxrt/app/recipe.py),
 rlxrt/assets/reference/prompts.json (held-out prompts) and recipe.json (the
 training summary), and the fp16 torch weights to exporters/reference/weights
 (for the Hugging Face peers of ``rlxrt bench``; not part of the wheel).
@@ -128,36 +128,3 @@ def heldout_loss(run, model_dir: Path, texts: list[str], window: int = 512) -> d
             total -= logp[np.arange(len(chunk) - 1), chunk[1:]].sum()
             count += len(chunk) - 1
     return {"loss": float(total / max(1, count)), "tokens": int(count)}
-
-
-def build_mtp(work_dir: str, runner) -> None:
-    """Write the head trained by train_mtp.py (WORK/mtp.pt) for the shipped target, validated."""
-    import torch
-    import transformers as tf
-
-    from ..mtp import HeadConfig, build_head, write_head
-    from .train_mtp import heldout_agreement
-
-    work = Path(work_dir)
-    saved = torch.load(work / "mtp.pt", weights_only=False)
-    cfg = HeadConfig(**saved["config"])
-    target = tf.LlamaForCausalLM.from_pretrained(str(work / "target"), dtype=torch.float32).eval()
-    head = build_head(torch, cfg, target.get_input_embeddings().weight)
-    missing = head.load_state_dict(saved["state_dict"], strict=False)
-    assert set(missing.missing_keys) <= {"embed"} and not missing.unexpected_keys, missing
-    out = ASSETS / "mtp"
-    shutil.rmtree(out, ignore_errors=True)
-    manifest = write_head(torch, head, cfg, Manifest.load(ASSETS / "target"), out, runner)
-    print(f"mtp head: validation {manifest.validation}")
-    recipe = json.loads((ASSETS / "recipe.json").read_text())
-    recipe["mtp"] = {**_mtp_summary(work), **heldout_agreement(torch, head, target, np.load(work / "heldout.npy"))}
-    (ASSETS / "recipe.json").write_text(json.dumps(recipe, indent=1) + "\n")
-    print(f"installed {out}")
-
-
-def _mtp_summary(work: Path) -> dict:
-    recs = [json.loads(line) for line in (work / "mtp.log.jsonl").read_text().splitlines()]
-    last = recs[-1]
-    return {"steps": last["step"], "tokens": last["tokens"], "train_seconds": last["elapsed_s"],
-            "final_train_kl1": last["kl1"], "final_train_kl2": last["kl2"]}
-

@@ -79,12 +79,14 @@ def step_times(target, draft, ks: list[int], context: int, repeats: int = 60) ->
 def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, max_new_tokens: int = 128,
               repeats: int = 3, temperatures=(0.0, 0.7), ks=(2, 4, 6), config=None,
               hf_dirs: tuple[Path, Path] | None = None, progress: bool = True,
-              head_dir: Path | None = None, oga_dirs: tuple[Path, Path | None] | None = None,
-              other_target: Path | None = None) -> dict[str, Any]:
+              head_dir: Path | list[Path] | None = None, oga_dirs: tuple[Path, Path | None] | None = None,
+              other_target: Path | None = None, chat: bool = False) -> dict[str, Any]:
     """``config`` (an ``rlxrt.Config``; default: 1 intra-op thread on the CPU) is used for every graph.
     ``hf_dirs`` adds transformers on the same weights, ``oga_dirs`` (target, draft) onnxruntime-genai's model
     directories of the same weights (greedy rows only: plain, draft, n-gram); ``other_target`` another export
-    of the target (e.g. the portable graph of the same weights) whose plain decoding runs as one more row."""
+    of the target (e.g. the portable graph of the same weights) whose plain decoding runs as one more row.
+    ``chat`` sends each prompt as a user message through the target's chat template, and a reply ends at the
+    end-of-turn token (times are per generated token); otherwise every request makes ``max_new_tokens``."""
     from rlxrt.backends import compile
     from rlxrt.config import Config
     from rlxrt.limits import K_MAX
@@ -99,15 +101,26 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
     if draft_graph is not None:
         specs += [Spec(f"draft k={k}", lambda: DraftModel(draft_graph), k=k) for k in ks]
         specs.append(Spec("draft adaptive", lambda: DraftModel(draft_graph), k=max(ks) // 2 or 1, adaptive=True))
-    if head_dir is not None:
-        head_graph = compile(head_dir, config)
-        specs += [Spec(f"mtp k={k}", lambda: MtpHead(head_graph), k=k) for k in ks]
+    heads = [] if head_dir is None else [Path(head_dir)] if isinstance(head_dir, (str, Path)) else list(head_dir)
+    for hd in heads:  # several heads: rows named after each head's directory
+        head_graph = compile(hd, config)
+        tag = f"mtp[{hd.name}]" if len(heads) > 1 else "mtp"
+        specs += [Spec(f"{tag} k={k}", lambda g=head_graph: MtpHead(g), k=k) for k in ks]
     specs.append(Spec("prompt lookup k=4", lambda: PromptLookup(), k=4))
     sessions = {s.name: Session(target_graph, s.make(), k=s.k, adaptive_k=s.adaptive, k_max=min(max(ks) + 2, K_MAX))
                 for s in specs}
     if other_target is not None:
         other = Session(compile(other_target, config))
         sessions[f"{other.manifest.graph_kind} plain"] = other
+    until = {"ignore_eos": True}
+    if chat:
+        from rlxrt.errors import UsageError
+
+        plain = sessions["plain"]
+        if not plain.has_chat_template:
+            raise UsageError(f"--chat: {target_dir} has no chat template; drop --chat")
+        prompts = [plain.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
+        until = {"stop_token_ids": list(plain.manifest.chat["end_of_turn_ids"])}
     peers = {}  # row name -> the peer that runs it
     if hf_dirs is not None:
         from rlxrt.exporters.peers import HFPeers
@@ -129,10 +142,11 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
     # directory names only: results are shared, and carry no path of the machine that made them
     results: dict[str, Any] = {"config": {"target": Path(target_dir).name,
                                           "draft": Path(draft_dir).name if draft_dir else None,
-                                          "head": Path(head_dir).name if head_dir else None,
+                                          "head": ",".join(h.name for h in heads) or None,
                                           "prompts": len(prompts), "max_new_tokens": max_new_tokens,
                                           "repeats": repeats, "threads": threads,
-                                          "providers": list(target_graph.providers), "ks": list(ks)},
+                                          "providers": list(target_graph.providers), "ks": list(ks),
+                                          "chat": chat},
                                "temperatures": {}}
     prompt_lens: list[int] = []
     for s in sessions.values():  # warm-up: first runs allocate
@@ -153,7 +167,7 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
                     if name in sessions:
                         t0 = time.perf_counter()
                         g = sessions[name].generate(prompt, max_new_tokens=max_new_tokens, temperature=temp,
-                                                    seed=rep * 1000 + pi, ignore_eos=True)
+                                                    seed=rep * 1000 + pi, **until)
                         dt = time.perf_counter() - t0
                         times[name][pi].append(dt / max(1, len(g.token_ids)))
                         stats[name].append(g.stats)

@@ -135,9 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .serve.command import add_serve_commands
 
     add_serve_commands(add, runtime_flags)
+    from .distill import add_distill
     from .train_head import add_train_head
 
     add_train_head(add, runtime_flags)
+    add_distill(add, runtime_flags)
     return parser
 
 

@@ -258,13 +258,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError("--no-hf and --hf-target/--hf-draft exclude each other")
     if args.oga_draft and not args.oga_target:
         raise UsageError("--oga-draft needs --oga-target (onnxruntime-genai's directory of the target)")
+    if args.chat and (args.oga_target or args.hf_target):
+        raise UsageError("--chat runs rlxrt's rows only; drop --oga-target/--hf-target (or --chat)")
     temps = _numbers(args.temperatures, "--temperatures", float, 0.0, 100.0)
     ks = _numbers(args.ks, "--ks", int, 1, K_MAX)
     config = _config(args, intra_op_threads=1)
     target, draft = _pair(args, draft_optional=True)
     prompts = _prompts(args, args.prompts)
     hf = None
-    if not args.no_hf:
+    if not args.no_hf and not args.chat:
         hf_target = Path(args.hf_target) if args.hf_target else None
         hf_draft = Path(args.hf_draft) if args.hf_draft else None
         if hf_target is None and not args.target:
@@ -279,11 +281,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 hf = (hf_target, hf_draft)
             except ImportError:
                 print("rlxrt: torch/transformers not installed; skipping the Hugging Face peers", file=sys.stderr)
-    head = None if args.no_head else Path(args.head) if args.head else None if args.target else reference_head()
+    head = None if args.no_head else [Path(h) for h in args.head] if args.head else \
+        None if args.target else reference_head()
     oga = (Path(args.oga_target), Path(args.oga_draft) if args.oga_draft else None) if args.oga_target else None
     res = run_bench(target, draft, prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                     temperatures=temps, ks=ks, config=config, hf_dirs=hf, progress=not args.quiet, head_dir=head,
-                    oga_dirs=oga, other_target=Path(args.other_target) if args.other_target else None)
+                    oga_dirs=oga, other_target=Path(args.other_target) if args.other_target else None,
+                    chat=args.chat)
     js, png = write_outputs(res, Path(args.out))
     print(format_table(res))
     print(f"wrote {js}" + (f" and {png}" if png else " (no PNG: matplotlib is not installed)"))
@@ -368,8 +372,11 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("--oga-draft", help="onnxruntime-genai's directory of the draft: adds its draft-model row")
     p.add_argument("--other-target", help="another export of the same target (e.g. --graph portable): adds its "
                                           "plain row, measured in the same loop")
-    p.add_argument("--head", help="MTP head for the target (default: the shipped head with the shipped pair)")
+    p.add_argument("--head", nargs="+", help="MTP head(s) for the target (default: the shipped head with the "
+                                             "shipped pair); several heads run side by side")
     p.add_argument("--no-head", action="store_true", help="skip the MTP head rows")
+    p.add_argument("--chat", action="store_true", help="send each prompt as a user message through the target's "
+                                                       "chat template; replies end at its end-of-turn token")
     p.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     runtime_flags(p, threads=1)

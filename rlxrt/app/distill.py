@@ -1,0 +1,95 @@
+"""``rlxrt distill TARGET --prompts FILE --out CORPUS.json``: the target writes replies to prompts, a corpus
+for ``rlxrt train-head`` (self-distillation).
+
+A head drafts best on the text it will meet when drafting: the target's own replies. Each prompt is rendered
+with the target's chat template when it has one (a user turn), the target replies (rlxrt Session, prompt
+lookup to go faster: exact, so the replies are the target's own), and the rendered prompt plus the reply
+(plus the end-of-turn token when the reply ended with it) is one document of the output: a JSON list of
+texts, written after every reply, so that a stopped run continues where it stopped. Temperatures cycle over
+the prompts (``--temperatures 0,0.7``: half greedy, half sampled with a per-prompt seed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from rlxrt.errors import UsageError
+from rlxrt.files import read_json, read_text
+
+
+def add_distill(add, runtime_flags) -> None:
+    p = add("distill", cmd_distill, "let a target reply to prompts and write the dialogues as a train-head corpus")
+    p.add_argument("target", help="target model directory")
+    p.add_argument("--prompts", required=True, help="a .json list of prompts, or a text file with one per line")
+    p.add_argument("--out", required=True, help="the corpus to write: a .json list of texts (continued if present)")
+    p.add_argument("--max-new-tokens", type=int, default=192)
+    p.add_argument("--temperatures", default="0,0.7", help="comma-separated, cycled over the prompts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=int, default=None, help="reply to the first N prompts only")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+    runtime_flags(p, threads=2)
+
+
+def read_prompts(path: str) -> list[str]:
+    if path.lower().endswith(".json"):
+        data = read_json(Path(path), "--prompts")
+        if not isinstance(data, list) or not all(isinstance(p, str) for p in data):
+            raise UsageError(f"--prompts {path!r}: a .json file must hold a list of prompt strings")
+        prompts = data
+    else:
+        prompts = read_text(Path(path), "--prompts").splitlines()
+    prompts = [p for p in prompts if p.strip()]
+    if not prompts:
+        raise UsageError(f"--prompts {path!r} holds no prompt")
+    return prompts
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    from rlxrt.sessions import PromptLookup, Session
+
+    from .cli import _config
+
+    try:
+        temps = [float(t) for t in args.temperatures.split(",")]
+    except ValueError:
+        raise UsageError(f"--temperatures must be comma-separated numbers, got {args.temperatures!r}") from None
+    if not temps or any(not 0 <= t <= 10 for t in temps) or args.max_new_tokens < 1:
+        raise UsageError(f"--temperatures must lie in 0..10 and --max-new-tokens be >= 1, got {args.temperatures!r} "
+                         f"and {args.max_new_tokens}")
+    prompts = read_prompts(args.prompts)[:args.limit]
+    out = Path(args.out)
+    docs = read_json(out, "--out") if out.is_file() else []
+    if not isinstance(docs, list):
+        raise UsageError(f"--out {args.out!r} exists and is not a JSON list; pass a new path")
+    session = Session(args.target, PromptLookup(), _config(args, intra_op_threads=2))
+    chat = session.has_chat_template
+    end = (session.manifest.chat or {}).get("eos_token") or ""
+    t0, tokens = time.perf_counter(), 0
+    for i in range(len(docs), len(prompts)):
+        t = temps[i % len(temps)]
+        messages = [{"role": "user", "content": prompts[i]}]
+        opts = dict(max_new_tokens=args.max_new_tokens, temperature=t, seed=args.seed + i)
+        g = session.chat(messages, **opts) if chat else session.generate(prompts[i], **opts)
+        ended = g.finish_reason == "stop" and g.stop_reason is not None and not isinstance(g.stop_reason, str)
+        docs.append((session.chat_text(messages) if chat else prompts[i]) + g.text + (end if chat and ended else ""))
+        tokens += len(g.token_ids)
+        _write(out, docs)
+        if not args.quiet:
+            rate = tokens / (time.perf_counter() - t0)
+            print(f"\r  {i + 1}/{len(prompts)} replies  {tokens} tokens  {rate:.0f} tok/s", end="", file=sys.stderr,
+                  flush=True)
+    if not args.quiet:
+        print(file=sys.stderr)
+    print(json.dumps({"out": str(out), "documents": len(docs), "new_tokens": tokens,
+                      "seconds": round(time.perf_counter() - t0, 1), "chat_template": chat}))
+    return 0
+
+
+def _write(path: Path, docs: list[str]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(docs, ensure_ascii=False), encoding="utf-8")
+    os.replace(tmp, path)
