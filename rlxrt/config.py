@@ -211,16 +211,21 @@ def _coerce(key: str, value: Any, source: str) -> Any:
     raise ConfigError(f"unknown config key {key!r} (from {source}); allowed keys: {', '.join(FIELD_NAMES)}")
 
 
+NOT_CONFIG_ENV = ("CONFIG", "SMOLLM2_DIR")
+"""RLXRT_ variables that are not config fields: the config file's path, and where the SmolLM2 recipe builds."""
+
+
 def _from_env(env: Mapping[str, str]) -> dict[str, str]:
     out = {}
     for name, value in env.items():
-        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
+        if not name.startswith(ENV_PREFIX) or name[len(ENV_PREFIX):] in NOT_CONFIG_ENV:
             continue
         key = name[len(ENV_PREFIX):].lower()
         if key not in FIELD_NAMES:
             allowed = ", ".join(ENV_PREFIX + k.upper() for k in FIELD_NAMES)
             raise ConfigError(
-                f"unknown environment variable {name}={value!r}; allowed: {allowed}, {ENV_PREFIX}CONFIG"
+                f"unknown environment variable {name}={value!r}; allowed: {allowed}, "
+                + ", ".join(ENV_PREFIX + n for n in NOT_CONFIG_ENV)
             )
         out[key] = value
     return out

@@ -93,8 +93,10 @@ def test_bad_file(tmp_path):
 
 
 def test_bad_env(tmp_path):
-    with pytest.raises(ConfigError, match="RLXRT_PROVIDRS.*allowed: RLXRT_PROVIDERS"):
+    with pytest.raises(ConfigError, match="RLXRT_PROVIDRS.*allowed: RLXRT_PROVIDERS.*RLXRT_SMOLLM2_DIR"):
         load_config(env={"RLXRT_PROVIDRS": "cpu"}, cwd=tmp_path)
+    # where the SmolLM2 recipe builds is not a config field, and no command refuses it
+    assert load_config(env={"RLXRT_SMOLLM2_DIR": str(tmp_path)}, cwd=tmp_path).intra_op_threads == 0
     with pytest.raises(ConfigError, match="environment RLXRT_STRICT"):
         load_config(env={"RLXRT_STRICT": "perhaps"}, cwd=tmp_path)
 

@@ -179,16 +179,16 @@ def test_gguf_export_of_smollm2(smollm2):
 
 def test_smollm2_chat_demo_with_its_committed_head(smollm2, capsys):
     """`rlxrt demo --model smollm2` on the GGUF export with the head rlxrt trained for it (committed under
-    rlxrt/assets/smollm2/head): it binds (same weights hash), drafts from its 4,096 tokens, and the reply
+    rlxrt/assets/smollm2/head): it binds (same weights hash), drafts from its 8,192 tokens, and the reply
     equals plain greedy decoding."""
     from rlxrt.app.cli import main
     from rlxrt.app.smollm2 import shipped_head
 
-    assert shipped_head() is not None and Manifest.load(shipped_head()).draft_head["draft_vocab"] == 4096
+    assert shipped_head() is not None and Manifest.load(shipped_head()).draft_head["draft_vocab"] == 8192
     assert main(["demo", "--model", "smollm2", "--target", str(gguf_export()), "--max-new-tokens", "24",
                  "--repeats", "1", "--prompt-index", "1"]) == 0
     out = capsys.readouterr().out
-    assert "MTP head (drafts 4096 tokens), k=2" in out and "output identical to plain greedy decoding: yes" in out
+    assert "MTP head (drafts 8192 tokens), k=2" in out and "output identical to plain greedy decoding: yes" in out
 
 
 def test_int4_smollm2(smollm2):
