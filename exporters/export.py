@@ -116,7 +116,7 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
                  quantize: str | None = None, force: bool = False, validate_export: bool = True,
                  atol: float | None = None, report: Callable[[str], None] | None = None,
                  with_hidden_states: bool = False, graph: str | None = None,
-                 max_context: int | None = None) -> ExportResult:
+                 max_context: int | None = None, int4_compute: str = "fp32") -> ExportResult:
     """Export ``src`` (a local Hugging Face model directory, a hub id, or a GGUF file) into ``out``.
 
     ``graph`` is ``fused`` (rlxrt's own graph from the safetensors weights, no torch needed; the default for
@@ -126,8 +126,13 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
     ``rlxrt.backends.compile``. Validation against PyTorch needs torch and transformers; a fused export
     without them records that it was not validated. ``with_hidden_states`` adds the last hidden state (the
     LM head's input) as output ``hidden_states``, for draft heads that read it (``MtpHead``).
+    ``int4_compute="int8"`` computes an int4 graph with int8 activations: faster, for plain decoding or a
+    draft only (``fused.INT4_INT8``).
     """
     variant = _variant(dtype, quantize)
+    if int4_compute not in ("fp32", "int8") or (int4_compute == "int8" and variant != "int4"):
+        raise ExportError(f"int4_compute {int4_compute!r}: fp32 (the default) or int8, and int8 only with "
+                          "quantize int4")
     out = Path(out).expanduser()
     _prepare_out(out, force)
     gguf = gguf_file(src)
@@ -151,7 +156,7 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
             weights = steps.run("read", read_weights, src_dir)
             spec = steps.run("build", build_graph, config, weights, final / GRAPH, capacity=max_context,
                              with_hidden=with_hidden_states, quantize="int4" if variant == "int4" else None,
-                             dtype="float16" if variant == "float16" else "float32")
+                             dtype="float16" if variant == "float16" else "float32", int4_compute=int4_compute)
             del weights
             layout, task, family = fused_layout(spec, with_hidden_states), FUSED_TASK, FAMILIES["attention"]
             stack = _torch_stack() if validate_export else None

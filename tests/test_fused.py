@@ -181,6 +181,31 @@ def test_int4_loads_stays_close_and_speculates_exactly(exported, tmp_path):
         assert Session(q4, spec, CFG, k=3).generate(PROMPT, max_new_tokens=30, ignore_eos=True).token_ids == plain
 
 
+def test_int4_with_int8_compute_decodes_plainly_and_drafts_but_is_never_verified(exported, tmp_path):
+    """--int4-compute int8 (accuracy level 4): recorded as not for speculation; plain decoding works, a
+    Session refuses any speculator over it with a typed error (and the process goes on), and as a DRAFT for
+    an fp32 target it keeps speculation exact (a draft's numbers do not touch exactness)."""
+    src = exported.source("llama", seed=4, init=0.02)
+    fast = tmp_path / "q4i8"
+    m = rlxrt.export(src, fast, quantize="int4", int4_compute="int8").manifest
+    assert m.quantization["accuracy_level"] == 4 and m.quantization["speculation"] is False
+    import onnx
+
+    levels = {a.i for n in onnx.load(str(fast / "model.onnx")).graph.node if n.op_type == "MatMulNBits"
+              for a in n.attribute if a.name == "accuracy_level"}
+    assert levels == {4}
+    assert len(Session(fast, None, CFG).generate(PROMPT, max_new_tokens=12, ignore_eos=True).token_ids) == 12
+    for spec in (PromptLookup(), DraftModel(fast, CFG)):
+        with pytest.raises(GenerationError, match="int8 activations.*--int4-compute fp32"):
+            Session(fast, spec, CFG)
+    target = exported("llama", seed=4, init=0.02)
+    plain = Session(target, None, CFG).generate(PROMPT, max_new_tokens=30, ignore_eos=True).token_ids
+    g = Session(target, DraftModel(fast, CFG), CFG, k=3).generate(PROMPT, max_new_tokens=30, ignore_eos=True)
+    assert g.token_ids == plain and g.stats.drafted > 0
+    with pytest.raises(ExportError, match="int8 only with quantize int4"):
+        rlxrt.export(src, tmp_path / "bad", int4_compute="int8")
+
+
 @pytest.mark.parametrize("kwargs, words", [({"quantize": "int4", "graph": "portable"}, "fused graph only"),
                                            ({"quantize": "int3"}, "int8, int4")])
 def test_bad_int4_exports(exported, tmp_path, kwargs, words):

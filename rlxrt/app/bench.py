@@ -111,7 +111,9 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
                 for s in specs}
     if other_target is not None:
         other = Session(compile(other_target, config))
-        sessions[f"{other.manifest.graph_kind} plain"] = other
+        kind = other.manifest.graph_kind  # another graph kind, or the same kind as another variant (its directory)
+        label = kind if kind != sessions["plain"].manifest.graph_kind else Path(other_target).name
+        sessions[f"{label} plain"] = other
     until = {"ignore_eos": True}
     if chat:
         from rlxrt.errors import UsageError

@@ -22,7 +22,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"exporting {args.src} -> {args.out}", file=sys.stderr)
     res = export(args.src, args.out, dtype=args.dtype, quantize=args.quantize, force=args.force,
                  validate=not args.no_validate, atol=args.atol, report=report,
-                 with_hidden_states=args.with_hidden_states, graph=args.graph, max_context=args.max_context)
+                 with_hidden_states=args.with_hidden_states, graph=args.graph, max_context=args.max_context,
+                 int4_compute=args.int4_compute)
     m = res.manifest
     v = m.validation
     if args.json:
@@ -302,8 +303,11 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("out", help="the model directory to write")
     p.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32", help="weights and cache type (fp16 for GPUs)")
     p.add_argument("--quantize", choices=["int8", "int4"],
-                   help="int8: dynamic int8 weights (portable graphs); int4: MatMulNBits blocks of 32, accuracy "
-                        "level 4 (fused graphs); exactness is then relative to the quantised graph")
+                   help="int8: dynamic int8 weights (portable graphs); int4: MatMulNBits blocks of 32 computed in "
+                        "fp32 (fused graphs); exactness is then relative to the quantised graph")
+    p.add_argument("--int4-compute", choices=["fp32", "int8"], default="fp32",
+                   help="int8: int4 weights computed with int8 activations, faster plain decoding; speculation "
+                        "over such a target is refused (not exact), a draft may use it")
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     p.add_argument("--no-validate", action="store_true", help="skip the ORT-vs-PyTorch check")
     p.add_argument("--atol", type=float, help="validation tolerance (max abs logit diff, scaled by max |logit|)")
