@@ -25,7 +25,7 @@ from .deps import require_export_stack, versions
 from .families import FAMILIES, family_for
 from .gguf_source import dequantise, gguf_file
 from .fused import TASK as FUSED_TASK
-from .fused import build_graph, fused_layout
+from .fused import build_graph, check_int4_compute, fused_layout
 from .fused import unsupported as fused_unsupported
 from .safetensors_np import read_weights
 from .source import read_config, recorded_name, resolve_source, weights_hash
@@ -130,9 +130,7 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
     draft only (``fused.INT4_INT8``).
     """
     variant = _variant(dtype, quantize)
-    if int4_compute not in ("fp32", "int8") or (int4_compute == "int8" and variant != "int4"):
-        raise ExportError(f"int4_compute {int4_compute!r}: fp32 (the default) or int8, and int8 only with "
-                          "quantize int4")
+    check_int4_compute(int4_compute, variant == "int4")  # before any work
     out = Path(out).expanduser()
     _prepare_out(out, force)
     gguf = gguf_file(src)

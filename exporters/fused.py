@@ -79,6 +79,12 @@ would not be exact: such a graph serves plain decoding, or drafts for another ta
 not touch exactness)."""
 
 
+def check_int4_compute(int4_compute: str, int4: bool) -> None:
+    if int4_compute not in ("fp32", "int8") or (int4_compute == "int8" and not int4):
+        raise ExportError(f"int4_compute {int4_compute!r}: fp32 (the default) or int8, and int8 only with "
+                          "quantize int4")
+
+
 def int4_blocks(w: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
     """MatMulNBits' packed weight [N, blocks, block/2] (uint8, two 4-bit codes a byte, low nibble first) and
     scales [N * blocks] of ``w`` [K, N]: code = round(w / scale) + 8, scale = max |w| of the block / 7."""
@@ -126,9 +132,7 @@ class Spec:
         if dtype not in ("float32", "float16") or (dtype == "float16" and quantize):
             raise ExportError(f"the fused graph computes in float32 or float16 (without int4), not {dtype!r}")
         self.int4 = quantize == "int4"
-        if int4_compute not in ("fp32", "int8") or (int4_compute == "int8" and not self.int4):
-            raise ExportError(f"int4_compute {int4_compute!r}: fp32 (default) or int8, and int8 only with int4 "
-                              "weights")
+        check_int4_compute(int4_compute, self.int4)
         self.quantization = (INT4_INT8 if int4_compute == "int8" else INT4) if self.int4 else None
         self.dtype = dtype
         """What the graph computes in and keeps its cache in; logits and hidden states leave it as float32."""
@@ -175,14 +179,29 @@ def rotary_caches(spec: Spec) -> tuple[np.ndarray, np.ndarray]:
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-class Builder:
+class Nodes:
+    """The nodes and initializers of a graph being written (this builder's and the MTP head's)."""
+
+    def __init__(self):
+        from onnx import helper, numpy_helper
+
+        self.helper, self.numpy_helper = helper, numpy_helper
+        self.nodes, self.inits = [], []
+
+    def node(self, op: str, inputs: list[str], outputs: list[str] | str, domain: str = "", **attrs) -> str:
+        """Add one node; returns (the first of) its output name(s)."""
+        outs = [outputs] if isinstance(outputs, str) else outputs
+        self.nodes.append(self.helper.make_node(op, inputs, outs, name=f"{op}_{len(self.nodes)}", domain=domain,
+                                                **attrs))
+        return outs[0]
+
+
+class Builder(Nodes):
     """Collects nodes and initializers; each method adds one block and returns its output name."""
 
     def __init__(self, spec: Spec, weights: dict[str, np.ndarray]):
-        from onnx import helper, numpy_helper
-
-        self.spec, self.w, self.helper, self.numpy_helper = spec, weights, helper, numpy_helper
-        self.nodes, self.inits, self.consts = [], [], set()
+        super().__init__()
+        self.spec, self.w, self.consts = spec, weights, set()
 
     def weight(self, name: str, array: np.ndarray) -> str:
         """An initializer; float weights are stored in the graph's compute type."""
@@ -205,12 +224,6 @@ class Builder:
             self.consts.add(name)
             self.weight(name, np.asarray(values, dtype))
         return name
-
-    def node(self, op: str, inputs: list[str], outputs: list[str] | str, domain: str = "", **attrs) -> str:
-        outs = [outputs] if isinstance(outputs, str) else outputs
-        self.nodes.append(self.helper.make_node(op, inputs, outs, name=f"{op}_{len(self.nodes)}", domain=domain,
-                                                **attrs))
-        return outs[0]
 
     def take(self, name: str) -> np.ndarray:
         if name not in self.w:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .fused import MS, OPSET, int4_blocks
+from .fused import MS, OPSET, Nodes, int4_blocks
 
 HEAD_INT4 = {"method": "MatMulNBits", "bits": 4, "block_size": 32, "symmetric": True, "accuracy_level": 4,
              "covers": "the head's projections and output layer; its input embedding stays float16"}
@@ -55,12 +55,10 @@ class HeadWeights:
                    slot=f["slot"].astype(np.int64) if "slot" in f else None, eps=eps)
 
 
-class _Graph:
+class _Graph(Nodes):
     def __init__(self, int4: bool):
-        from onnx import helper, numpy_helper
-
-        self.helper, self.numpy_helper, self.int4 = helper, numpy_helper, int4
-        self.nodes, self.inits = [], []
+        super().__init__()
+        self.int4 = int4
 
     def init(self, name: str, array: np.ndarray, half: bool = False) -> str:
         """An initializer; ``half`` stores a float one as float16 behind a Cast (ORT folds it at load)."""
@@ -72,12 +70,6 @@ class _Graph:
             return self.node("Cast", [name + "_fp16"], name, to=TensorProto.FLOAT)
         self.inits.append(self.numpy_helper.from_array(array, name))
         return name
-
-    def node(self, op: str, inputs: list[str], outputs: list[str] | str, domain: str = "", **attrs) -> str:
-        outs = [outputs] if isinstance(outputs, str) else outputs
-        self.nodes.append(self.helper.make_node(op, inputs, outs, name=f"{op}_{len(self.nodes)}", domain=domain,
-                                                **attrs))
-        return outs[0] if isinstance(outputs, str) else outs
 
     def linear(self, x: str, w: np.ndarray, out: str) -> str:
         """x @ w.T for a Linear weight w [out, in]: MatMul (float16-stored) or MatMulNBits."""
@@ -102,11 +94,11 @@ def build_head_graph(w: HeadWeights, vocab_size: int, path: Path, quantize: str 
     H, R = w.embed.shape[1], w.state_out.shape[1]
     ids = "input_ids" if w.slot is None else g.node("Gather", [g.init("slot", w.slot), "input_ids"], "rows")
     e = g.norm(g.node("Gather", [g.init("embed", w.embed, half=True), ids], "embedded"), w.norms["e"], "e", eps)
-    pre, v = g.node("Split", [g.linear(e, w.gate_in, "gate_mm"), g.init("halves", np.array([R, R], np.int64))],
-                    ["pre", "v"], axis=-1)
+    g.node("Split", [g.linear(e, w.gate_in, "gate_mm"), g.init("halves", np.array([R, R], np.int64))],
+           ["pre", "v"], axis=-1)
     # (the bias is added before the split in torch; adding each half's bias after it is the same sum)
-    pre = g.node("Add", [pre, g.init("bias_a", w.gate_bias[:R])], "pre_b")
-    v = g.node("Add", [v, g.init("bias_v", w.gate_bias[R:])], "v_b")
+    pre = g.node("Add", ["pre", g.init("bias_a", w.gate_bias[:R])], "pre_b")
+    v = g.node("Add", ["v", g.init("bias_v", w.gate_bias[R:])], "v_b")
     neg = g.node("Neg", [pre], "neg_pre")
     log_a = g.node("Neg", [g.node("Softplus", [neg], "softplus")], "log_a")            # [1, s, R]
     b = g.node("Mul", [g.node("Sigmoid", [neg], "one_minus_a"), v], "b")               # [1, s, R]
@@ -120,9 +112,10 @@ def build_head_graph(w: HeadWeights, vocab_size: int, path: Path, quantize: str 
     cat = g.node("Concat", [h, e_last, s_last], "mix_in", axis=-1)                     # [1, 1, 2H + R]
     z = g.linear(cat, np.concatenate([w.fuse, w.state_out], axis=1), "z")
     gu = g.linear(g.norm(z, w.norms["m"], "m", eps), w.up, "gate_up")
-    gate, up = g.node("Split", [gu, g.init("mlp_halves", np.array([w.up.shape[0] // 2] * 2, np.int64))],
-                      ["mlp_gate", "mlp_up"], axis=-1)
-    act = g.node("Mul", [g.node("Mul", [gate, g.node("Sigmoid", [gate], "sig")], "silu"), up], "act")
+    g.node("Split", [gu, g.init("mlp_halves", np.array([w.up.shape[0] // 2] * 2, np.int64))],
+           ["mlp_gate", "mlp_up"], axis=-1)
+    silu = g.node("Mul", ["mlp_gate", g.node("Sigmoid", ["mlp_gate"], "sig")], "silu")
+    act = g.node("Mul", [silu, "mlp_up"], "act")
     down = g.linear(act, w.down, "down")
     g.node("SkipSimplifiedLayerNormalization", [down, z, g.init("f.weight", w.norms["f"])], "hidden_out",
            domain=MS, epsilon=eps)
