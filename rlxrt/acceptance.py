@@ -57,6 +57,8 @@ def speculative_accept(p: np.ndarray, q: np.ndarray | None, draft: np.ndarray,
 def greedy_accept(target_argmax: np.ndarray, draft: np.ndarray) -> AcceptDecision:
     """Temperature 0: accept while ``draft[i] == target_argmax[i]``; then emit the target's argmax."""
     k = len(draft)
+    if k == 0:  # plain decoding
+        return AcceptDecision(accepted=0, tokens=target_argmax[:1].astype(np.int64), bonus=True)
     mismatch = np.flatnonzero(np.asarray(draft) != target_argmax[:k])
     j = int(mismatch[0]) if mismatch.size else k
     tokens = np.empty(j + 1, np.int64)

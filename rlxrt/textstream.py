@@ -32,6 +32,12 @@ class TextStream:
     def push(self, token_id: int) -> str:
         """Add one token; returns the text that is now safe to show (may be empty)."""
         assert self.stop is None, "push after a stop string was found"
+        if not self.stops:  # nothing to hold back: every piece is final at once
+            piece = self.decode_step(token_id) or ""
+            self.tokens += 1
+            self.text += piece
+            self.released = len(self.text)
+            return piece
         before = len(self.text)
         self.text += self.decode_step(token_id) or ""
         self.tokens += 1

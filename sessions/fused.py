@@ -69,8 +69,11 @@ class FusedKVModel(GraphModel):
         self._ids_name, self._logits = m.inputs["input_ids"], m.outputs["logits"]
         self._ids: dict[int, tuple[np.ndarray, object]] = {}
         self._out: dict[int, tuple[np.ndarray, object]] = {}
+        self._hid: dict[int, tuple[np.ndarray, object]] = {}
         self._ids_buf = np.zeros((1, K_MAX + 1), np.int64)
         self._logits_buf = np.zeros((1, K_MAX + 1, m.vocab_size), np.float32)
+        self._hidden_buf: np.ndarray | None = None
+        self._bound: tuple[int, int] | None = None  # (tokens, rows) the binding holds: rebound only on change
         self._ort, self._vocab = ort, m.vocab_size
         self._hidden_name: str | None = None
         self._run_binding = graph.session.run_with_iobinding
@@ -95,11 +98,17 @@ class FusedKVModel(GraphModel):
     def fetch_hidden(self) -> int:
         size = super().fetch_hidden()
         self._hidden_name = self.manifest.outputs["hidden_states"]
+        if size <= 0:
+            raise ModelFormatError(f"{self.graph.path}: the hidden_states output of a fused graph must have a fixed "
+                                   "width; re-export the target with --with-hidden-states")
+        self._hidden_buf = np.zeros((1, K_MAX + 1, size), np.float32)
+        self._bound = None
         return size
 
     def forward(self, tokens, rows: int | None = None) -> np.ndarray:
         """Feed ``tokens`` after the first ``length`` positions; returns the logits of the last ``rows``
-        of them (default: all) as [rows, V]. The array is this model's buffer: valid until its next call."""
+        of them (default: all) as [rows, V]. The array (and ``hidden``) is this model's buffer: valid until
+        its next call."""
         s = len(tokens)
         end = self.length + s
         if end > self.max_positions:
@@ -109,18 +118,24 @@ class FusedKVModel(GraphModel):
         ids, ids_value = self._buffer(self._ids, s, (1, s), np.int64, self._ids_buf)
         ids[0] = tokens
         logits, logits_value = self._buffer(self._out, n, (1, n, self._vocab), np.float32, self._logits_buf)
+        hidden = None
+        if self._hidden_buf is not None:
+            hidden, hidden_value = self._buffer(self._hid, s, (1, s, self._hidden_buf.shape[2]), np.float32,
+                                                self._hidden_buf)
         self._seqlens[0] = end - 1
         self._total[()] = end
         self._rows[0] = n
         b = self._binding
-        b.bind_ortvalue_input(self._ids_name, ids_value)
-        b.bind_ortvalue_output(self._logits, logits_value)
-        if self._hidden_name:
-            b.bind_output(self._hidden_name)
+        if self._bound != (s, n) or s > K_MAX + 1:  # a round's shapes repeat: bound once, written in place
+            b.bind_ortvalue_input(self._ids_name, ids_value)
+            b.bind_ortvalue_output(self._logits, logits_value)
+            if hidden is not None:
+                b.bind_ortvalue_output(self._hidden_name, hidden_value)
+            self._bound = (s, n)
         self._timed(self._run_binding, b)
         self.length = end
-        if self._hidden_name:
-            self.hidden = b.get_outputs()[-1].numpy()[0]
+        if hidden is not None:
+            self.hidden = hidden[0]
         return logits[0]
 
     def commit(self, length: int) -> None:

@@ -18,7 +18,8 @@ class GraphModel:
     """What the KV and the recurrent-state models share: the graph, its manifest, timed runs."""
 
     hidden: np.ndarray | None = None
-    """[s, H] last hidden states of the last forward, when fetched (see ``KVModel.fetch_hidden``)."""
+    """[s, H] last hidden states of the last forward, when fetched (see ``KVModel.fetch_hidden``); a fused
+    graph's is its buffer, like its logits: valid until the next forward (copy it to keep it)."""
 
     def __init__(self, graph: CompiledGraph):
         m = graph.manifest

@@ -370,7 +370,7 @@ class Session:
                 stats.target_seconds += t2 - t1
                 if self.adaptive_k and spec is not None and len(drafted) == k_now:
                     k_now = min(self.k_max, k_now + 2) if decision.bonus else max(1, k_now - 1)
-                hit = next((i for i, t in enumerate(new) if t in stop_ids), None)
+                hit = None if stop_ids.isdisjoint(new) else next(i for i, t in enumerate(new) if t in stop_ids)
                 if hit is not None:
                     del ctx.tokens[len(ctx.tokens) - len(new) + hit + 1:]
                     new = new[:hit + 1]
@@ -434,7 +434,12 @@ def _argmax(logits: np.ndarray) -> np.ndarray:
     """Row argmax [n]; a NaN row (a broken model) is an error, never a silent token. NumPy's argmax lands
     on a row's first NaN, so only the n picked values need a look."""
     top = logits.argmax(-1)
-    if np.isnan(logits[_ROWS[:len(top)], top]).any():
+    if len(top) == 1:
+        picked = logits[0, top[0]]
+        bad = picked != picked  # NaN
+    else:
+        bad = np.isnan(logits[_ROWS[:len(top)], top]).any()
+    if bad:
         raise GenerationError("the model produced NaN logits; check the export (e.g. fp16 overflow) or use the "
                               "fp32 variant")
     return top
