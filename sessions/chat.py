@@ -1,6 +1,8 @@
 """Chat templates: an instruct model's messages rendered to its prompt text, as transformers'
 ``apply_chat_template`` renders them (Jinja in an immutable sandbox, ``trim_blocks``/``lstrip_blocks``, the
-``loopcontrols`` extension, ``raise_exception``, ``strftime_now`` and a ``tojson`` that keeps non-ASCII text)."""
+``loopcontrols`` extension, ``raise_exception``, ``strftime_now``, a ``tojson`` that keeps non-ASCII text, and
+``{% generation %}…{% endgeneration %}`` blocks, which mark the assistant's text for training masks and
+render their body unchanged)."""
 from __future__ import annotations
 
 import json
@@ -25,7 +27,8 @@ class ChatTemplate:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
         except ImportError:  # pragma: no cover - jinja2 is a dependency
             raise ModelFormatError("chat templates need jinja2: pip install jinja2") from None
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[loopcontrols, _generation_block(jinja2)])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -80,6 +83,20 @@ def chat_template_for(graph) -> ChatTemplate | None:
     if m is None or not m.chat:
         return None
     return ChatTemplate(Path(graph.path).parent, m.chat)
+
+
+def _generation_block(jinja2):
+    """The ``{% generation %}`` tag: its body rendered as is (transformers tracks its span; a prompt needs none)."""
+
+    class GenerationBlock(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    return GenerationBlock
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:

@@ -18,6 +18,10 @@ FANCY = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}{{ r
          "{% endif %}{% if m['content'] == 'skip' %}{% continue %}{% endif %}"
          "[{{ m['role'] | upper }}] {{ m['content'] | trim }} {{ m['content'] | tojson }}{{ eos_token }}\n"
          "{% endfor %}{% if add_generation_prompt %}[ASSISTANT]{% endif %}")
+# a training template: the assistant's text inside {% generation %} blocks (transformers' assistant mask)
+MASKED = ("{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>{% generation %}"
+          "{{ m['content'] }}<|end|>{% endgeneration %}\n{% else %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n"
+          "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 MESSAGES = [
     [{"role": "user", "content": "Write a function that adds two numbers."}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "  Ünïcödé → 数学 ✓  "},
@@ -34,7 +38,7 @@ def _tokenizer(tmp_path, template):
     return AutoTokenizer.from_pretrained(str(tmp_path))
 
 
-@pytest.mark.parametrize("template", [CHATML, FANCY], ids=["chatml", "fancy"])
+@pytest.mark.parametrize("template", [CHATML, FANCY, MASKED], ids=["chatml", "fancy", "generation-block"])
 @pytest.mark.parametrize("messages", MESSAGES, ids=["one", "many"])
 @pytest.mark.parametrize("generation_prompt", [True, False])
 def test_rendering_equals_transformers(tmp_path, template, messages, generation_prompt):
