@@ -119,5 +119,23 @@ def train(torch, head, data: TeacherData, held: TeacherData, *, steps: int, batc
     return log
 
 
+OVERFIT_GAP = 0.1
+"""Training agreement this far above the held-out one means the corpus, not the steps, limits the head."""
+
+
+def fit_summary(log: list[dict], last: int = 50) -> dict:
+    """The mean training agreement of the last ``last`` steps beside the final held-out one, and advice when
+    the head fits its training text much better than held-out text."""
+    recent = [r["agree1"] for r in log[-last:]]
+    train_agree = round(float(np.mean(recent)), 4) if recent else None
+    held_agree = (log[-1].get("heldout") or {}).get("agree1") if log else None
+    out = {"train_agree1": train_agree, "heldout_agree1": held_agree}
+    if train_agree is not None and held_agree is not None and train_agree - held_agree > OVERFIT_GAP:
+        out["advice"] = (f"training agreement {train_agree:.2f} against {held_agree:.2f} held out: the head has "
+                         "learnt its corpus by heart; more text (e.g. more `rlxrt distill` replies) will help it more "
+                         "than more steps")
+    return out
+
+
 def write_log(log: list[dict], path: Path) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in log), encoding="utf-8")

@@ -61,6 +61,7 @@ def test_full_vocabulary_head(llama, corpus, tmp_path, capsys):
     report = _train(llama, corpus, tmp_path / "head", "--draft-vocab", "0", "--quantize", "none")
     assert report["draft_vocab"] == 320 and report["output_rows_error"] < 1e-4 and report["validation"]["passed"]
     assert len(report["heldout_acceptance_per_position"]) == 4
+    assert 0 <= report["fit"]["train_agree1"] <= 1 and report["fit"]["heldout_agree1"] == report["heldout"]["agree1"]
     m = Manifest.load(tmp_path / "head")
     assert m.draft_head["kind"] == "mtp" and "draft_vocab" not in m.draft_head
     assert m.dtype == "float32" and m.quantization is None and report["validation"]["max_abs_diff"] < 1e-4
@@ -156,3 +157,15 @@ def test_train_head_usage_errors(exported, corpus, tmp_path, capsys):
     assert main(["train-head", str(exported("llama", with_hidden=True)), "--corpus", str(corpus),
                  "--out", str(tmp_path / "h2"), "--steps", "5", "--resume", "--quiet"]) == 1
     assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_fit_summary_advises_more_text_when_the_head_overfits():
+    from rlxrt.exporters.head_train import fit_summary
+
+    log = [{"step": i, "agree1": 0.74} for i in range(1, 100)] + [{"step": 100, "agree1": 0.76,
+                                                                    "heldout": {"agree1": 0.56}}]
+    fit = fit_summary(log)
+    assert fit["train_agree1"] == 0.7404 and fit["heldout_agree1"] == 0.56 and "more text" in fit["advice"]
+    log[-1]["heldout"]["agree1"] = 0.70  # within the gap: no advice
+    assert "advice" not in fit_summary(log)
+    assert fit_summary([]) == {"train_agree1": None, "heldout_agree1": None}

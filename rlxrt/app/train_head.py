@@ -166,7 +166,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
 
 def _train_and_export(args, torch, graph, config, m, data, held, fit_h, fit_l, vocab_ids, hidden_size,
                       say) -> int:
-    from rlxrt.exporters.head_train import output_rows, train, write_log
+    from rlxrt.exporters.head_train import fit_summary, output_rows, train, write_log
     from rlxrt.exporters.mtp import HeadConfig, build_head, write_head
 
     from .api import runner
@@ -205,9 +205,12 @@ def _train_and_export(args, torch, graph, config, m, data, held, fit_h, fit_l, v
     measured = measure(graph, out, held, config)
     record = {"draft_vocab": n or m.vocab_size, "quantize": args.quantize, "steps": args.steps,
               "output_rows_error": err,
-              "heldout": log[-1].get("heldout"), "validation": manifest.validation, **measured}
+              "heldout": log[-1].get("heldout"), "fit": fit_summary(log), "validation": manifest.validation,
+              **measured}
     (out / "train_report.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     print(json.dumps({k: v for k, v in record.items() if k != "validation"}, indent=2))
+    if "advice" in record["fit"]:
+        say(f"train-head: {record['fit']['advice']}")
     return 0
 
 
