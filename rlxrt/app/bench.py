@@ -92,6 +92,8 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
     from rlxrt.limits import K_MAX
     from rlxrt.sessions import DraftModel, MtpHead, PromptLookup, Session
 
+    from .speculators import build
+
     config = config if config is not None else Config(intra_op_threads=1, providers=("cpu",))
     threads = config.intra_op_threads
 
@@ -106,6 +108,7 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
         head_graph = compile(hd, config)
         tag = f"mtp[{hd.name}]" if len(heads) > 1 else "mtp"
         specs += [Spec(f"{tag} k={k}", lambda g=head_graph: MtpHead(g), k=k) for k in ks]
+        specs += [Spec(f"lookup+{tag} k={k}", lambda g=head_graph: build("lookup+mtp", g, None), k=k) for k in ks]
     specs.append(Spec("prompt lookup k=4", lambda: PromptLookup(), k=4))
     sessions = {s.name: Session(target_graph, s.make(), k=s.k, adaptive_k=s.adaptive, k_max=min(max(ks) + 2, K_MAX))
                 for s in specs}

@@ -9,6 +9,8 @@ import sys
 from rlxrt.errors import UsageError
 from rlxrt.files import read_json, read_text
 
+from .speculators import KINDS as SPECULATOR_KINDS
+
 
 def cmd_export(args: argparse.Namespace) -> int:
     from .api import export
@@ -63,17 +65,18 @@ def _prompt(args: argparse.Namespace) -> str:
 
 def _speculator(args: argparse.Namespace, config):
     """The speculator the generate flags ask for (None: plain decoding); conflicting flags are usage errors."""
-    from rlxrt.sessions import DraftModel, MtpHead, PromptLookup
+    from . import speculators
 
     kind = args.speculator or ("draft" if args.draft else "mtp" if args.head else "none")
+    model = speculators.model_of(kind)
     if args.draft and args.head:
         raise UsageError("--draft and --head exclude each other: pass one speculator")
-    if args.draft and kind != "draft":
+    if args.draft and model != "draft":
         raise UsageError(f"--draft and --speculator {kind} exclude each other")
-    if args.head and kind != "mtp":
+    if args.head and model != "mtp":
         raise UsageError(f"--head and --speculator {kind} exclude each other")
-    if kind == "draft" and not args.draft:
-        raise UsageError("--speculator draft needs --draft DIR")
+    if model == "draft" and not args.draft:
+        raise UsageError(f"--speculator {kind} needs --draft DIR")
     if kind == "none":
         for flag, value in (("-k", args.k), ("--adaptive-k", args.adaptive_k),
                             ("--draft-providers", args.draft_providers)):
@@ -83,13 +86,8 @@ def _speculator(args: argparse.Namespace, config):
     if kind == "prompt-lookup" and args.draft_providers:
         raise UsageError("--draft-providers needs a draft model or head; prompt lookup runs no model")
     draft_config = config.with_overrides(providers=args.draft_providers) if args.draft_providers else config
-    if kind == "draft":
-        return DraftModel(args.draft, draft_config)
-    if kind == "mtp":
-        return MtpHead(_head(args.head, args.target), draft_config)
-    if kind == "prompt-lookup":
-        return PromptLookup()
-    return None
+    helper = args.draft if model == "draft" else _head(args.head, args.target) if model == "mtp" else None
+    return speculators.build(kind, helper, draft_config)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -325,9 +323,10 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("--draft", help="draft model directory (same tokenizer as the target)")
     p.add_argument("--head", help="MTP head directory (drafts from the target's hidden states; the target "
                                   "must be exported with --with-hidden-states)")
-    p.add_argument("--speculator", choices=["draft", "prompt-lookup", "mtp", "none"],
+    p.add_argument("--speculator", choices=list(SPECULATOR_KINDS),
                    help="what drafts tokens (default: the --draft model or --head if given, else none = plain "
-                        "decoding; mtp without --head: the shipped head, for the shipped target)")
+                        "decoding; mtp without --head: the shipped head, for the shipped target; lookup+X: prompt "
+                        "lookup where the text repeats itself, else X)")
     p.add_argument("-k", type=int, help="tokens drafted per round, 1..32 (default 4)")
     p.add_argument("--adaptive-k", action="store_true", help="grow k after full acceptance, shrink after rejection")
     p.add_argument("--prompt", help="the prompt text")

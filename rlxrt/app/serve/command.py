@@ -6,6 +6,9 @@ import math
 
 from rlxrt.errors import MissingDependencyError, UsageError
 
+from ..speculators import KINDS as SPECULATORS
+from ..speculators import model_of
+
 
 def add_serve_commands(add, runtime_flags) -> None:
     p = add("serve", cmd_serve, "serve a model over an OpenAI-compatible HTTP API (completions, chat, streaming, "
@@ -34,8 +37,9 @@ def model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target model directory (default: the shipped reference target)")
     p.add_argument("--draft", help="draft model directory (default with the shipped target: the shipped draft)")
     p.add_argument("--head", help="MTP head directory (drafts from the target's hidden states)")
-    p.add_argument("--speculator", choices=["draft", "prompt-lookup", "mtp", "none"],
-                   help="default: draft with --draft, mtp with --head, else none (plain decoding)")
+    p.add_argument("--speculator", choices=list(SPECULATORS),
+                   help="default: draft with --draft, mtp with --head, else none (plain decoding); lookup+X: "
+                        "prompt lookup where the text repeats itself, else X")
     p.add_argument("-k", type=int, help="tokens drafted per round, 1..32 (default: 2 for a draft model or head, "
                                         "4 for prompt lookup)")
 
@@ -53,17 +57,18 @@ def options_from(args: argparse.Namespace, workers: int, config):
             raise UsageError("--draft/--head need --target (or pass neither, for the shipped pair)")
         target, draft = map(str, reference_pair())
         speculator = args.speculator or "draft"
-        helper = draft if speculator == "draft" else None
-        if speculator == "mtp":
+        helper = draft if model_of(speculator) == "draft" else None
+        if model_of(speculator) == "mtp":
             from ..commands import _head
 
             helper = str(_head(None, None))
     else:
         target, helper = args.target, args.draft or args.head
         speculator = args.speculator or ("draft" if args.draft else "mtp" if args.head else "none")
-        if (speculator == "draft" and args.head) or (speculator == "mtp" and args.draft):
+        model = model_of(speculator)
+        if (model == "draft" and args.head) or (model == "mtp" and args.draft):
             raise UsageError(f"--speculator {speculator} does not take {'--head' if args.head else '--draft'}")
-        if speculator in ("prompt-lookup", "none") and helper:
+        if model is None and helper:
             raise UsageError(f"--speculator {speculator} runs no draft model; drop --draft/--head")
     if args.k is not None and speculator == "none":
         raise UsageError("-k needs a speculator (--draft, --head or --speculator prompt-lookup); plain decoding "
@@ -71,7 +76,7 @@ def options_from(args: argparse.Namespace, workers: int, config):
     if args.k is not None and not 1 <= args.k <= 32:
         raise UsageError(f"-k must be in 1..32, got {args.k}")
     name = args.model_name or ("rlxrt-reference" if args.target is None else None)
-    k = args.k if args.k is not None else SERVE_MODEL_K if speculator in ("draft", "mtp") else None
+    k = args.k if args.k is not None else SERVE_MODEL_K if model_of(speculator) else None
     return ServeOptions(target=target, speculator=speculator, draft=helper, k=k, config=config,
                         workers=workers, max_queue=args.max_queue, request_timeout=args.request_timeout,
                         model_name=name)

@@ -24,6 +24,8 @@ from typing import Any
 
 from rlxrt.errors import RlxrtError, UsageError
 
+from ..speculators import model_of
+
 
 def add_bench_serve(add, model_flags) -> None:
     p = add("bench-serve", cmd_bench_serve, "load-test rlxrt serve: plain vs speculative serving at several "
@@ -263,7 +265,7 @@ def _report(args, levels, runs, name, ks) -> dict[str, Any]:
     return {"config": {"workers": args.workers, "threads_per_worker": args.threads, "requests": args.requests,
                        "max_tokens": args.max_tokens, "repeats": args.repeats, "cpu_count": os.cpu_count(),
                        "target": args.target or "shipped reference target", "speculator": name,
-                       "ks": [k or (2 if name in ("draft", "mtp") else 4) for k in ks]},
+                       "ks": [k or (2 if model_of(name) else 4) for k in ks]},
             "rows": rows, "note": "medians over interleaved repeats; tokens/s is all clients' tokens over wall time"}
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 from rlxrt.config import Config
 from rlxrt.errors import UsageError
 
-SPECULATORS = ("draft", "prompt-lookup", "mtp", "none")
+from ..speculators import KINDS as SPECULATORS
+from ..speculators import model_of
 SERVE_MODEL_K = 2
 """Draft length of a served draft model or head when -k is not given. Under load every rejected drafted token
 costs worker time another request could use: on the shipped pair (2 workers, 2 cores, 1-8 clients) k=2 gave
@@ -21,9 +22,9 @@ class ServeOptions:
     target: str
     """Target model directory."""
     speculator: str = "none"
-    """draft, prompt-lookup, mtp or none (plain decoding)."""
+    """draft, mtp, prompt-lookup, lookup+draft, lookup+mtp or none (plain decoding)."""
     draft: str | None = None
-    """Draft model directory (speculator draft) or MTP head directory (speculator mtp)."""
+    """Draft model directory (speculator draft, lookup+draft) or MTP head directory (mtp, lookup+mtp)."""
     k: int | None = None
     """Tokens drafted per round (None: the speculator's default)."""
     config: Config = Config()
@@ -39,9 +40,9 @@ class ServeOptions:
     def __post_init__(self):
         if self.speculator not in SPECULATORS:
             raise UsageError(f"speculator {self.speculator!r} is unknown; use one of {', '.join(SPECULATORS)}")
-        if self.speculator in ("draft", "mtp") and not self.draft:
-            flag = "--draft" if self.speculator == "draft" else "--head"
-            raise UsageError(f"speculator {self.speculator} needs {flag} DIR")
+        model = model_of(self.speculator)
+        if model and not self.draft:
+            raise UsageError(f"speculator {self.speculator} needs {'--draft' if model == 'draft' else '--head'} DIR")
         if not 1 <= self.workers <= 256:
             raise UsageError(f"--workers must be in 1..256, got {self.workers}")
         if not 0 <= self.max_queue <= 1_000_000:
@@ -61,7 +62,9 @@ def default_threads(workers: int) -> int:
 
 def make_server(opts: ServeOptions):
     from rlxrt.backends import compile
-    from rlxrt.sessions import DraftModel, MtpHead, PromptLookup, Session
+    from rlxrt.sessions import Session
+
+    from ..speculators import build
 
     from .app import Server
     from .metrics import Metrics
@@ -69,13 +72,10 @@ def make_server(opts: ServeOptions):
 
     config = opts.config
     target = compile(opts.target, config)
-    helper = compile(opts.draft, config) if opts.speculator in ("draft", "mtp") else None
+    helper = compile(opts.draft, config) if model_of(opts.speculator) else None
 
     def make_session():
-        spec = (DraftModel(helper, config) if opts.speculator == "draft" else
-                MtpHead(helper, config) if opts.speculator == "mtp" else
-                PromptLookup() if opts.speculator == "prompt-lookup" else None)
-        return Session(target, spec, config, k=opts.k)
+        return Session(target, build(opts.speculator, helper, config), config, k=opts.k)
 
     holder = {}
     metrics = Metrics(opts.name, lambda: holder["pool"])

@@ -35,10 +35,12 @@ def deployment(opts: ServeOptions, replicas: int):
 
 def build(args: dict[str, Any]):
     """Ray's application builder: ``serve run rlxrt.app.serve.ray_app:build target=DIR [draft=DIR]
-    [speculator=draft|prompt-lookup|mtp|none] [k=4] [workers=1] [replicas=2] [threads=1] [max_queue=64]``."""
+    [speculator=draft|mtp|prompt-lookup|lookup+draft|lookup+mtp|none] [k=4] [workers=1] [replicas=2] [threads=1]
+    [max_queue=64]``."""
     from rlxrt.config import load_config
 
     from ..reference import reference_pair
+    from ..speculators import model_of
     from .options import SERVE_MODEL_K, default_threads
 
     known = {"target", "draft", "speculator", "k", "workers", "replicas", "threads", "max_queue", "request_timeout",
@@ -51,7 +53,7 @@ def build(args: dict[str, Any]):
     speculator = args.get("speculator", "draft" if draft else "none")
     config = load_config(None, providers=args.get("providers"),
                          intra_op_threads=int(args.get("threads", default_threads(workers))))
-    k = int(args["k"]) if "k" in args else SERVE_MODEL_K if speculator in ("draft", "mtp") else None
+    k = int(args["k"]) if "k" in args else SERVE_MODEL_K if model_of(speculator) else None
     opts = ServeOptions(target=str(target), speculator=speculator, draft=draft, k=k, config=config,
                         workers=workers, max_queue=int(args.get("max_queue", 64)),
                         request_timeout=float(args.get("request_timeout", 600)), model_name=args.get("model_name"))
