@@ -168,16 +168,3 @@ def test_distill_writes_the_targets_own_dialogues_and_continues(exported, tmp_pa
     assert main([*args, "--temperatures", "-1"]) == 2
     assert "--temperatures must lie in 0..10" in capsys.readouterr().err
     assert json.loads(out.read_text()) == docs  # a refused run leaves the corpus alone
-
-
-def test_smollm2_distillation_prompts_are_held_out_and_stable():
-    """The recipe's prompts: unique, none a demo or benchmark prompt, and a second pass that extends the first
-    without changing it (a work directory distilled with the first pass continues with the second)."""
-    from rlxrt.app.smollm2 import BENCH_PROMPTS, distill_prompts
-
-    prompts = distill_prompts()
-    first = distill_prompts(more=0)
-    assert prompts[:len(first)] == first and len(prompts) > 2 * len(first)
-    assert len(set(prompts[len(first):])) == len(prompts) - len(first)
-    assert not set(prompts[len(first):]) & set(first)
-    assert not set(prompts) & set(BENCH_PROMPTS)

@@ -20,11 +20,10 @@ from importlib.resources import files
 from pathlib import Path
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TRAIN = ["--steps", "1800", "--draft-vocab", "8192", "--max-tokens", "400000", "--threads", "2"]
+TRAIN = ["--steps", "1500", "--draft-vocab", "8192", "--max-tokens", "300000", "--threads", "2"]
 """The head's training flags (the dialogues come first in the corpus, so all of them are used)."""
 DISTILL = ["--max-new-tokens", "160", "--temperatures", "0,0.7", "--threads", "2"]
-"""The self-distillation replies to the 1,329 prompts of ``distill_prompts``: 156,465 reply tokens; the first
-439 took 21 minutes on 2 threads, the other 890 62 minutes on 1."""
+"""The self-distillation replies: about 20 minutes on 2 cores for the 439 prompts of ``distill_prompts``."""
 PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
            "Explain in two sentences what a hash table is.",
            "Write a Python class Stack with push, pop and peek methods.",
@@ -87,45 +86,19 @@ def _run(cmd: list[str]) -> None:
     subprocess.run(cmd, check=True)
 
 
-def distill_prompts(n: int = 480, seed: int = 0, more: int = 900) -> list[str]:
+def distill_prompts(n: int = 480, seed: int = 0) -> list[str]:
     """Instructions for the target's self-distillation replies, written from the standard library's
-    training-split sources only (held-out files stay unseen). The first pass (``n``, shuffled with ``seed``):
-    a function to write from its docstring's first line, a module to explain from its docstring's, a
-    language-reference topic to explain. Then ``more`` of a second pass, none repeating the first: other
-    functions to write, classes to write, functions to explain in prose, other modules to explain. None is
-    a demo or benchmark prompt."""
+    training-split sources only (held-out files stay unseen): a function to write from its docstring's
+    first line, a module to explain from its docstring's, and a language-reference topic to explain.
+    Interleaved and shuffled with ``seed``; none is a demo or benchmark prompt."""
+    import ast
     import random
 
     import pydoc_data.topics
 
-    funcs, classes, explain, mods = _stdlib_prompts()
-    topics = [f"Explain the Python topic \"{t.replace('-', ' ')}\" with a short example."
-              for t in sorted(pydoc_data.topics.topics)]
-    rng = random.Random(seed)
-    for group in (funcs, mods, topics):
-        rng.shuffle(group)
-    share = [n // 2, n // 4, n - n // 2 - n // 4]
-    first = funcs[:share[0]] + mods[:share[1]] + topics[:share[2]]
-    rng.shuffle(first)
-    rng = random.Random(seed + 1)
-    for group in (classes, explain):
-        rng.shuffle(group)
-    sixth = more // 6
-    second = funcs[share[0]:share[0] + more // 2] + classes[:sixth] + explain[:sixth] \
-        + mods[share[1]:share[1] + more - more // 2 - 2 * sixth]
-    rng.shuffle(second)
-    seen = set(first)
-    return first + [p for p in dict.fromkeys(second) if p not in seen]  # stdlib files repeat some docstrings
-
-
-def _stdlib_prompts() -> tuple[list[str], list[str], list[str], list[str]]:
-    """(functions to write, classes to write, functions to explain, modules to explain) from the first
-    docstring lines of the reference corpus's training split."""
-    import ast
-
     from rlxrt.exporters.reference.corpus import split
 
-    funcs, classes, explain, mods = [], [], [], []
+    funcs, mods = [], []
     for text in split()[0]:
         try:
             tree = ast.parse(text)
@@ -135,16 +108,17 @@ def _stdlib_prompts() -> tuple[list[str], list[str], list[str], list[str]]:
         if doc and 20 <= len(doc[0]) <= 160:
             mods.append(f"Explain in a few sentences what a Python module described as \"{doc[0]}\" is for.")
         for node in ast.walk(tree):
-            if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) or node.name.startswith("_"):
-                continue
-            first = (ast.get_docstring(node) or "").strip().splitlines()[:1]
-            if not first or not 20 <= len(first[0]) <= 160:
-                continue
-            if isinstance(node, ast.ClassDef):
-                classes.append(f"Write a Python class {node.name}. {first[0]}")
-                continue
-            args = ", ".join(a.arg for a in node.args.args if a.arg != "self")
-            funcs.append(f"Write a Python function {node.name}({args}). {first[0]}")
-            explain.append(f"In a few sentences, explain what a Python function {node.name}({args}) documented "
-                           f"as \"{first[0]}\" does and when to use it.")
-    return funcs, classes, explain, mods
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                first = (ast.get_docstring(node) or "").strip().splitlines()[:1]
+                if first and 20 <= len(first[0]) <= 160:
+                    args = ", ".join(a.arg for a in node.args.args if a.arg != "self")
+                    funcs.append(f"Write a Python function {node.name}({args}). {first[0]}")
+    topics = [f"Explain the Python topic \"{t.replace('-', ' ')}\" with a short example."
+              for t in sorted(pydoc_data.topics.topics)]
+    rng = random.Random(seed)
+    for group in (funcs, mods, topics):
+        rng.shuffle(group)
+    share = [n // 2, n // 4, n - n // 2 - n // 4]
+    prompts = funcs[:share[0]] + mods[:share[1]] + topics[:share[2]]
+    rng.shuffle(prompts)
+    return prompts
