@@ -10,21 +10,11 @@ from rlxrt.sampling import SamplingParams
 from rlxrt.sessions import Cascade, DraftModel, MtpHead, PromptLookup, Session, decoder_for
 
 from lossless import assert_first_two_tokens_follow, two_token_marginals
-from test_mtp import make_head
+from test_mtp import head, target  # noqa: F401  (the same target and head fixtures)
 
 pytestmark = pytest.mark.export
 CFG = Config(intra_op_threads=1, cache=False)
 PROMPT = [5, 17, 42, 9, 61, 5, 17, 42, 9, 61, 5, 17]  # lookup proposes at once
-
-
-@pytest.fixture(scope="module")
-def target(exported):
-    return exported("llama", seed=0, with_hidden=True)
-
-
-@pytest.fixture(scope="module")
-def head(exported, target, tmp_path_factory):
-    return make_head(target, exported.source("llama", seed=0), tmp_path_factory.mktemp("cascade") / "head")
 
 
 @pytest.fixture(scope="module")
