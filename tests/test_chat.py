@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rlxrt.errors import GenerationError
+from rlxrt.errors import GenerationError, UsageError
 
 # SmolLM2-Instruct's ChatML template (a default system message when none is given)
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -168,3 +168,75 @@ def test_distill_writes_the_targets_own_dialogues_and_continues(exported, tmp_pa
     assert main([*args, "--temperatures", "-1"]) == 2
     assert "--temperatures must lie in 0..10" in capsys.readouterr().err
     assert json.loads(out.read_text()) == docs  # a refused run leaves the corpus alone
+
+
+class _Scripted:
+    """A stand-in session for self_prompts' selection rule: scripted replies, the calls recorded."""
+    has_chat_template = True
+
+    def __init__(self, replies):
+        self.replies, self.calls = list(replies), []
+
+    def chat_text(self, messages):
+        return "<u>" + messages[0]["content"] + "</u><a>"
+
+    def generate(self, text, **kw):
+        self.calls.append((text, kw))
+        return self.replies.pop(0)
+
+
+def _reply(text, finish="stop", stop_reason=7):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(text=text, finish_reason=finish, stop_reason=stop_reason)
+
+
+def test_self_prompts_keep_finished_new_requests(monkeypatch):
+    """A self-written request is kept when the target ended its turn with an end token (not the length, not a
+    stop string), it has three words or more and it is new; each try starts from the template's empty user
+    turn plus the next opener, with its own seed; at most TRIES samples per requested prompt."""
+    from rlxrt.app import distill
+
+    s = _Scripted([_reply(" a joke, please"), _reply(" that adds two numbers"), _reply(" recursion"),
+                   _reply(" cook rice well", finish="length", stop_reason=None),
+                   _reply(" a monad, really", stop_reason="###"), _reply(" help me move")])
+    assert distill.self_prompts(s, 3, seed=40) == ["a joke, please", "Write a Python function that adds two numbers",
+                                                   "Can you help me move"]
+    assert [c[0] for c in s.calls] == ["<u>" + o for o in distill.OPENERS[:6]]
+    assert [c[1]["seed"] for c in s.calls] == [40, 41, 42, 43, 44, 45]
+    assert all(c[1]["temperature"] == 0.7 and c[1]["top_p"] == 0.9 for c in s.calls)
+
+    monkeypatch.setattr(distill, "OPENERS", ("",))
+    s = _Scripted([_reply("tell me more"), _reply(" tell me more ")] + [_reply("no")] * 10)
+    assert distill.self_prompts(s, 3) == ["tell me more"]  # the duplicate and the short ones are dropped
+    assert len(s.calls) == 3 * distill.TRIES
+
+    s.has_chat_template = False
+    with pytest.raises(UsageError, match="--self-prompts needs a model with a chat template.*--prompts FILE"):
+        distill.self_prompts(s, 1)
+
+
+@pytest.mark.export
+def test_distill_self_prompts_end_to_end(exported, tmp_path, capsys):
+    """`rlxrt distill --self-prompts N`: the target writes the requests (kept in OUT-prompts.json, the ones
+    self_prompts gives for the seed), replies to each, and a continued run reuses the file it wrote."""
+    from rlxrt.app.cli import main
+    from rlxrt.app.distill import self_prompts
+    from rlxrt.sessions import PromptLookup, Session
+
+    model = exported("llama", seed=3, chat_template=CHATML)
+    out = tmp_path / "self.json"
+    args = ["distill", str(model), "--self-prompts", "2", "--out", str(out), "--max-new-tokens", "12",
+            "--seed", "9", "--threads", "1", "--quiet"]
+    assert main([*args, "--limit", "1"]) == 0
+    written = tmp_path / "self-prompts.json"
+    s = Session(model, PromptLookup())
+    assert json.loads(written.read_text()) == self_prompts(s, 2, seed=9)
+    assert len(json.loads(out.read_text())) == 1
+    written.write_text(json.dumps(["alpha beta gamma", "delta epsilon zeta"]))
+    assert main(args) == 0
+    docs = json.loads(out.read_text())
+    assert len(docs) == 2 and docs[1].startswith(s.chat_text([{"role": "user", "content": "delta epsilon zeta"}]))
+    capsys.readouterr()
+    assert main(["distill", str(model), "--out", str(tmp_path / "x.json")]) == 2
+    assert "distill needs --prompts FILE or --self-prompts N" in capsys.readouterr().err

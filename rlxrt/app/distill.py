@@ -7,6 +7,12 @@ lookup to go faster: exact, so the replies are the target's own), and the render
 (plus the end-of-turn token when the reply ended with it) is one document of the output: a JSON list of
 texts, written after every reply, so that a stopped run continues where it stopped. Temperatures cycle over
 the prompts (``--temperatures 0,0.7``: half greedy, half sampled with a per-prompt seed).
+
+With no instructions at hand, ``--self-prompts N`` lets the target write them too (as Magpie does): from its
+chat template's empty user turn it samples a request (temperature 0.7, top-p 0.9, at most 64 tokens), each
+opened by one of a few generic openers (``OPENERS``) for variety; a request is kept when the target ended the
+turn itself, it has at least three words and it is new. The requests are written to ``OUT-prompts.json`` first
+and reused by a continued run.
 """
 from __future__ import annotations
 
@@ -24,7 +30,9 @@ from rlxrt.files import read_json, read_text
 def add_distill(add, runtime_flags) -> None:
     p = add("distill", cmd_distill, "let a target reply to prompts and write the dialogues as a train-head corpus")
     p.add_argument("target", help="target model directory")
-    p.add_argument("--prompts", required=True, help="a .json list of prompts, or a text file with one per line")
+    p.add_argument("--prompts", help="a .json list of prompts, or a text file with one per line")
+    p.add_argument("--self-prompts", type=int, default=0, metavar="N",
+                   help="the target also writes N requests itself (needs a chat template)")
     p.add_argument("--out", required=True, help="the corpus to write: a .json list of texts (continued if present)")
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--temperatures", default="0,0.7", help="comma-separated, cycled over the prompts")
@@ -32,6 +40,42 @@ def add_distill(add, runtime_flags) -> None:
     p.add_argument("--limit", type=int, default=None, help="reply to the first N prompts only")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     runtime_flags(p, threads=2)
+
+
+OPENERS = ("", "Write a Python function", "Explain", "How do I", "What is", "Can you", "Give me", "Describe",
+           "Write a short", "Why")
+"""How self-written requests start, cycled ("" leaves the whole request to the target)."""
+PROMPT_TOKENS = 64
+TRIES = 4
+"""Samples drawn per requested prompt at most, before giving up with fewer."""
+
+
+def self_prompts(session, n: int, seed: int = 0, progress=None) -> list[str]:
+    """Up to ``n`` user requests the target writes itself from its chat template's empty user turn;
+    ``progress(kept, tries)`` is called after each try."""
+    if not session.has_chat_template:
+        raise UsageError("--self-prompts needs a model with a chat template; pass --prompts FILE instead")
+    marker = "\x00"
+    text = session.chat_text([{"role": "user", "content": marker}])
+    prefix = text[:text.index(marker)]
+    kept: list[str] = []
+    for i in range(n * TRIES):
+        if len(kept) == n:
+            break
+        opener = OPENERS[i % len(OPENERS)]
+        g = session.generate(prefix + opener, max_new_tokens=PROMPT_TOKENS, temperature=0.7, top_p=0.9,
+                             seed=seed + i)
+        prompt = (opener + g.text).strip()
+        if _ended(g) and len(prompt.split()) >= 3 and prompt not in kept:
+            kept.append(prompt)
+        if progress:
+            progress(len(kept), i + 1)
+    return kept
+
+
+def _ended(g) -> bool:
+    """True when generation ended at an end-of-sequence token (not a stop string, not the length)."""
+    return g.finish_reason == "stop" and g.stop_reason is not None and not isinstance(g.stop_reason, str)
 
 
 def read_prompts(path: str) -> list[str]:
@@ -60,12 +104,18 @@ def cmd_distill(args: argparse.Namespace) -> int:
     if not temps or any(not 0 <= t <= 10 for t in temps) or args.max_new_tokens < 1:
         raise UsageError(f"--temperatures must lie in 0..10 and --max-new-tokens be >= 1, got {args.temperatures!r} "
                          f"and {args.max_new_tokens}")
-    prompts = read_prompts(args.prompts)[:args.limit]
+    if args.self_prompts < 0 or (args.prompts is None and args.self_prompts < 1):
+        raise UsageError(f"distill needs --prompts FILE or --self-prompts N (N >= 1), got --self-prompts "
+                         f"{args.self_prompts}")
+    prompts = read_prompts(args.prompts) if args.prompts else []
     out = Path(args.out)
     docs = read_json(out, "--out") if out.is_file() else []
     if not isinstance(docs, list):
         raise UsageError(f"--out {args.out!r} exists and is not a JSON list; pass a new path")
     session = Session(args.target, PromptLookup(), _config(args, intra_op_threads=2))
+    if args.self_prompts:
+        prompts += _self_prompts(session, args, out)
+    prompts = prompts[:args.limit]
     chat = session.has_chat_template
     end = (session.manifest.chat or {}).get("eos_token") or ""
     t0, tokens = time.perf_counter(), 0
@@ -74,8 +124,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
         messages = [{"role": "user", "content": prompts[i]}]
         opts = dict(max_new_tokens=args.max_new_tokens, temperature=t, seed=args.seed + i)
         g = session.chat(messages, **opts) if chat else session.generate(prompts[i], **opts)
-        ended = g.finish_reason == "stop" and g.stop_reason is not None and not isinstance(g.stop_reason, str)
-        docs.append((session.chat_text(messages) if chat else prompts[i]) + g.text + (end if chat and ended else ""))
+        text = session.chat_text(messages) if chat else prompts[i]
+        docs.append(text + g.text + (end if chat and _ended(g) else ""))
         tokens += len(g.token_ids)
         _write(out, docs)
         if not args.quiet:
@@ -89,7 +139,27 @@ def cmd_distill(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write(path: Path, docs: list[str]) -> None:
+def _self_prompts(session, args: argparse.Namespace, out: Path) -> list[str]:
+    """The self-written requests: read from OUT-prompts.json when a previous run wrote it, else written now."""
+    path = out.with_name(out.stem + "-prompts.json")
+    if path.is_file():
+        return read_prompts(str(path))
+    t0 = time.perf_counter()
+
+    def progress(kept: int, tries: int) -> None:
+        print(f"\r  {kept}/{args.self_prompts} requests written ({tries} tries)", end="", file=sys.stderr, flush=True)
+
+    prompts = self_prompts(session, args.self_prompts, args.seed, None if args.quiet else progress)
+    if not prompts:
+        raise UsageError(f"the target wrote no usable request in {args.self_prompts * TRIES} tries; "
+                         "pass --prompts FILE instead")
+    _write(path, prompts)
+    if not args.quiet:
+        print(f"\n  {len(prompts)} requests in {time.perf_counter() - t0:.0f} s -> {path}", file=sys.stderr)
+    return prompts
+
+
+def _write(path: Path, docs: list) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(docs, ensure_ascii=False), encoding="utf-8")
     os.replace(tmp, path)
