@@ -175,7 +175,10 @@ class _Scripted:
     has_chat_template = True
 
     def __init__(self, replies):
+        from types import SimpleNamespace
+
         self.replies, self.calls = list(replies), []
+        self.codec = SimpleNamespace(encode=lambda text, add_special_tokens=True: (text, add_special_tokens))
 
     def chat_text(self, messages):
         return "<u>" + messages[0]["content"] + "</u><a>"
@@ -202,7 +205,8 @@ def test_self_prompts_keep_finished_new_requests(monkeypatch):
                    _reply(" a monad, really", stop_reason="###"), _reply(" help me move")])
     assert distill.self_prompts(s, 3, seed=40) == ["a joke, please", "Write a Python function that adds two numbers",
                                                    "Can you help me move"]
-    assert [c[0] for c in s.calls] == ["<u>" + o for o in distill.OPENERS[:6]]
+    # encoded without the tokenizer's own BOS: the rendered template carries whatever it needs
+    assert [c[0] for c in s.calls] == [("<u>" + o, False) for o in distill.OPENERS[:6]]
     assert [c[1]["seed"] for c in s.calls] == [40, 41, 42, 43, 44, 45]
     assert all(c[1]["temperature"] == 0.7 and c[1]["top_p"] == 0.9 for c in s.calls)
 

@@ -63,8 +63,8 @@ def self_prompts(session, n: int, seed: int = 0, progress=None) -> list[str]:
         if len(kept) == n:
             break
         opener = OPENERS[i % len(OPENERS)]
-        g = session.generate(prefix + opener, max_new_tokens=PROMPT_TOKENS, temperature=0.7, top_p=0.9,
-                             seed=seed + i)
+        ids = session.codec.encode(prefix + opener, add_special_tokens=False)  # the template has its own BOS
+        g = session.generate(ids, max_new_tokens=PROMPT_TOKENS, temperature=0.7, top_p=0.9, seed=seed + i)
         prompt = (opener + g.text).strip()
         if _ended(g) and len(prompt.split()) >= 3 and prompt not in kept:
             kept.append(prompt)
