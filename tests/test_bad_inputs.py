@@ -310,6 +310,8 @@ CLI = [
     (["demo", "--draft", D], USAGE, ["both --target and --draft"]),
     (["demo", "--prompt-file", "{f}/latin1.txt"], USAGE, ["latin1.txt", "UTF-8"]),
     (["demo", "--threads", "999"], ERROR, ["intra_op_threads", "999", "0..256"]),
+    (["demo", "--speculator", "mtp", "--target", str(TARGET), "--draft", D], USAGE,
+     ["fits only the shipped target", "rlxrt generate --target DIR --head DIR"]),
     (["export", "{f}/nope", "{f}/out", "--atol", "-1"], USAGE, ["--atol", "-1"]),
     (["export", "{f}/nope", "{f}/out"], ERROR, ["nope", "does not exist"]),
     (["export", "{f}/hf-file", "{f}/out2"], ERROR, ["hf-file", "is a file"]),

@@ -68,3 +68,18 @@ def test_smollm2_demo_says_how_to_build_it(tmp_path, monkeypatch, capsys):
     assert "not built" in err and "python -m rlxrt.app.recipe --smollm2" in err
     assert main(["demo", "--model", "smollm2", "--draft", "x"]) == 2
     assert "drop --draft" in capsys.readouterr().err
+    assert main(["demo", "--model", "smollm2", "--speculator", "lookup+draft"]) == 2
+    assert "pass --speculator mtp or lookup+mtp, not 'lookup+draft'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["mtp", "lookup+mtp", "lookup+draft"])
+def test_demo_speculators_on_the_shipped_pair(kind, capsys):
+    """`rlxrt demo --speculator KIND` on the shipped pair and head: the reply equals plain greedy decoding;
+    a cascade says which source drafted how many rounds."""
+    from rlxrt.app.cli import main
+
+    assert main(["demo", "--speculator", kind, "--max-new-tokens", "24", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "output identical to plain greedy decoding: yes" in out
+    assert ("MTP head (drafts" in out) == kind.endswith("mtp")
+    assert ("prompt lookup, else" in out and "rounds drafted by prompt lookup / the" in out) == ("lookup" in kind)

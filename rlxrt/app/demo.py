@@ -11,25 +11,31 @@ from typing import TextIO
 
 def run_demo(target: Path, draft: Path | None, prompt: str, *, max_new_tokens: int = 128, k: int | None = None,
              config=None, repeats: int = 3, out: TextIO | None = None, head: Path | None = None,
-             chat: bool = False) -> dict:
+             chat: bool = False, lookup: bool = False) -> dict:
     """``config`` (an ``rlxrt.Config``; default: 1 intra-op thread on the CPU) is used for both models; the
-    speculator is the ``draft`` model, or the MTP ``head``; ``chat`` sends the prompt as a user message."""
+    speculator is the ``draft`` model, or the MTP ``head``, behind prompt lookup when ``lookup``; ``chat``
+    sends the prompt as a user message."""
     from rlxrt.backends import compile
     from rlxrt.config import Config
-    from rlxrt.sessions import DraftModel, MtpHead, Session
+    from rlxrt.sessions import Session
+
+    from .speculators import build
 
     out = out if out is not None else sys.stdout  # looked up per call: a default would pin the import-time one
     config = config if config is not None else Config(intra_op_threads=1, providers=("cpu",))
     threads = config.intra_op_threads or "ORT's default"
     t0 = time.perf_counter()
     target_graph = compile(target, config)
-    spec = Session(target_graph, MtpHead(head, config) if head else DraftModel(draft, config), k=k)
+    kind = ("lookup+" if lookup else "") + ("mtp" if head else "draft")
+    spec = Session(target_graph, build(kind, head or draft, config), k=k)
     plain = Session(target_graph)
     load_s = time.perf_counter() - t0
     k = spec.k
-    tm, dm = spec.manifest, spec.speculator.model.manifest
+    model = spec.speculator.sources[-1] if lookup else spec.speculator
+    tm, dm = spec.manifest, model.model.manifest
     helper = (f"MTP head (drafts {dm.draft_head.get('draft_vocab', dm.vocab_size)} tokens)" if head else
               f"draft {dm.kv_cache.layers}-layer")
+    helper = f"prompt lookup, else {helper}" if lookup else helper
     dim, bold, reset = ("\033[2m", "\033[1m", "\033[0m") if out.isatty() else ("", "", "")
     out.write(f"{bold}rlxrt demo{reset}: target {tm.kv_cache.layers}-layer {tm.architecture}, {helper}, k={k}, "
               f"{threads} thread(s), loaded in {load_s:.2f} s\n\n")
@@ -64,6 +70,10 @@ def run_demo(target: Path, draft: Path | None, prompt: str, *, max_new_tokens: i
     out.write(f"output identical to plain greedy decoding: {'yes' if same else 'NO'}\n")
     out.write(f"acceptance {st.acceptance_rate:.2f} ({st.accepted}/{st.drafted} drafted tokens), "
               f"{st.tokens_per_round:.2f} tokens per round; per position: {per_pos}\n")
+    if lookup:
+        by = spec.speculator.proposed_by
+        out.write(f"rounds drafted by prompt lookup / the {'head' if head else 'draft model'}: {by[0]} / {by[1]} "
+                  f"(all runs)\n")
     dec = st.decode_seconds or 1.0
     out.write(f"time: draft {st.draft_seconds / dec:.0%}, target {st.target_seconds / dec:.0%}, "
               f"other {st.overhead_seconds / dec:.0%}; providers {st.providers}\n")
