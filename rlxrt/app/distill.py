@@ -59,6 +59,7 @@ def self_prompts(session, n: int, seed: int = 0, progress=None) -> list[str]:
     text = session.chat_text([{"role": "user", "content": marker}])
     prefix = text[:text.index(marker)]
     kept: list[str] = []
+    seen: set[str] = set()
     for i in range(n * TRIES):
         if len(kept) == n:
             break
@@ -66,8 +67,9 @@ def self_prompts(session, n: int, seed: int = 0, progress=None) -> list[str]:
         ids = session.codec.encode(prefix + opener, add_special_tokens=False)  # the template has its own BOS
         g = session.generate(ids, max_new_tokens=PROMPT_TOKENS, temperature=0.7, top_p=0.9, seed=seed + i)
         prompt = (opener + g.text).strip()
-        if _ended(g) and len(prompt.split()) >= 3 and prompt not in kept:
+        if _ended(g) and len(prompt.split()) >= 3 and prompt not in seen:
             kept.append(prompt)
+            seen.add(prompt)
         if progress:
             progress(len(kept), i + 1)
     return kept

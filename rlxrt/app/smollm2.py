@@ -8,8 +8,8 @@ replies, the text the head will draft), let it write 800 general requests of its
 (``rlxrt distill --self-prompts``; on an int4 export of the same weights, ~1.6x faster than the float32 graph
 at 2 threads: the replies only give the text, the teacher stays the float32 graph), and train the head with
 ``rlxrt train-head`` on those dialogues followed by the Python standard library's own sources (the
-reference corpus's training split, so its held-out files stay unseen). ``rlxrt demo --model smollm2`` then chats with the target and the head (the
-committed head, or WORK/head).
+reference corpus's training split, so its held-out files stay unseen). ``rlxrt demo --model smollm2`` then
+chats with the target and the head (the committed head, or WORK/head).
 """
 from __future__ import annotations
 
