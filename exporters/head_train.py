@@ -92,7 +92,11 @@ def train(torch, head, data: TeacherData, held: TeacherData, *, steps: int, batc
         saved = torch.load(str(checkpoint), weights_only=False)
         if saved["steps"] != steps:
             raise ExportError(f"--resume: the checkpoint was made for --steps {saved['steps']}, not {steps}")
-        head.load_state_dict(saved["head"])
+        try:
+            head.load_state_dict(saved["head"])
+        except RuntimeError:  # tensors of other shapes
+            raise ExportError("--resume: the checkpoint's head has another shape; resume with the --mlp-size and "
+                              "--draft-vocab it was made with, or start without --resume") from None
         opt.load_state_dict(saved["opt"])
         rng.bit_generator.state = saved["rng"]
         start, log = saved["step"], saved["log"]

@@ -143,6 +143,29 @@ def test_train_head_on_a_recurrent_target(exported, corpus, tmp_path):
     assert g.token_ids == plain.token_ids
 
 
+def test_a_rerun_reuses_the_target_outputs_and_a_changed_corpus_does_not(llama, corpus, tmp_path, monkeypatch,
+                                                                         capsys):
+    from rlxrt.app import teacher
+
+    out = tmp_path / "head"
+    first = _train(llama, corpus, out, "--draft-vocab", "64")
+    assert (out / ".train" / teacher.CACHE).is_file()
+    passes, real = [], teacher.teacher
+    monkeypatch.setattr(teacher, "teacher", lambda *a, **k: passes.append(1) or real(*a, **k))
+    args = ["train-head", str(llama), "--corpus", str(corpus), "--out", str(out), "--steps", "60", "--batch", "4",
+            "--max-tokens", "6000", "--threads", "1", "--draft-vocab", "64"]
+    capsys.readouterr()
+    assert main(args + ["--resume"]) == 0
+    assert passes == [] and "are reused" in capsys.readouterr().err  # the target did not run again
+    again = json.loads((out / "train_report.json").read_text())
+    assert again["heldout"] == first["heldout"]
+    assert again["heldout_acceptance_per_position"] == first["heldout_acceptance_per_position"]
+    assert main(args[:-1] + ["32", "--steps", "5", "--quiet"]) == 0  # another draft vocabulary: computed afresh
+    assert len(passes) == 2
+    assert main(args[:-1] + ["32", "--steps", "5", "--mlp-size", "64", "--resume"]) == 1  # another shape
+    assert "--mlp-size" in capsys.readouterr().err
+
+
 def test_train_head_usage_errors(exported, corpus, tmp_path, capsys):
     no_hidden = exported("llama")
     assert main(["train-head", str(no_hidden), "--corpus", str(corpus), "--out", str(tmp_path / "h")]) == 2

@@ -21,7 +21,8 @@ import numpy as np
 from rlxrt.errors import UsageError
 from rlxrt.files import read_json, read_text
 
-WINDOW = 256
+from .teacher import WINDOW
+
 DEFAULT_DRAFT_VOCAB = 4096
 """The default draft vocabulary is min(4096, V / 2). Measured with the same training (1,500 steps), greedy
 k=4: on the shipped target (V = 4096), N = 1024 / 2048 / 4096 ran 1.33x / 1.35x / 1.07x plain (the whole
@@ -44,6 +45,8 @@ def add_train_head(add, runtime_flags) -> None:
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="tokens the head drafts: the N most frequent of the corpus (0: the whole vocabulary; "
                         "default: min(4096, vocabulary / 2), see DEFAULT_DRAFT_VOCAB)")
+    p.add_argument("--mlp-size", type=int, default=512, metavar="I",
+                   help="the width of the head's gated MLP (its hidden size and recurrent state stay as they are)")
     p.add_argument("--max-tokens", type=int, default=200_000, help="training tokens the target is run over")
     p.add_argument("--heldout", type=float, default=0.1, help="share of the documents held out (by file)")
     p.add_argument("--quantize", choices=("int4", "none"), default="int4",
@@ -90,29 +93,6 @@ def split(docs: list, share: float) -> tuple[list, list]:
     return train, held
 
 
-def teacher(model, stream: np.ndarray, windows: int, keep_logits_rows: int, vocab_ids: np.ndarray | None):
-    """Run the target over ``windows`` windows of WINDOW + 1 tokens of ``stream``: TeacherData, and (hidden,
-    logits over the draft vocabulary) of the first ``keep_logits_rows`` positions for ``output_rows``."""
-    from rlxrt.exporters.head_train import TeacherData
-
-    T = WINDOW
-    tokens = np.stack([stream[i * T:i * T + T + 1] for i in range(windows)]).astype(np.int64)
-    hidden, lse, fit_h, fit_l = [], [], [], []
-    for w in tokens:
-        model.reset()
-        logits = model.forward(w[:T]).astype(np.float64)
-        top = logits.max(-1, keepdims=True)
-        lse.append((top[:, 0] + np.log(np.exp(logits - top).sum(-1))).astype(np.float32))
-        h = np.asarray(model.hidden, np.float32).reshape(T, -1)
-        hidden.append(h.astype(np.float16))
-        if sum(len(x) for x in fit_h) < keep_logits_rows:
-            fit_h.append(h)
-            fit_l.append(logits if vocab_ids is None else logits[:, vocab_ids])
-    model.reset()
-    fit = (np.concatenate(fit_h), np.concatenate(fit_l)) if fit_h else (None, None)
-    return (TeacherData(tokens, np.stack(hidden), np.stack(lse)), *fit)
-
-
 def cmd_train_head(args: argparse.Namespace) -> int:
     from rlxrt.backends import compile
     from rlxrt.sessions.state import decoder_for
@@ -122,6 +102,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
 
     for flag, value, low in (("--steps", args.steps, 1), ("--batch", args.batch, 1),
                              ("--draft-vocab", args.draft_vocab if args.draft_vocab is not None else 0, 0),
+                             ("--mlp-size", args.mlp_size, 1),
                              ("--max-tokens", args.max_tokens, 2 * WINDOW)):
         if value < low:
             raise UsageError(f"{flag} must be >= {low}, got {value}")
@@ -159,9 +140,30 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         f"training tokens; draft vocabulary {n or V} of {V}")
     model = decoder_for(graph)
     hidden_size = model.fetch_hidden()
-    data, fit_h, fit_l = teacher(model, stream, windows, 4 * hidden_size, vocab_ids)
-    held, *_ = teacher(model, held_stream, held_windows, 0, vocab_ids)
+    data, held, fit_h, fit_l = _teacher_outputs(args, graph, model, stream[:windows * WINDOW + 1],
+                                                held_stream[:held_windows * WINDOW + 1], vocab_ids, hidden_size, say)
     return _train_and_export(args, torch, graph, config, m, data, held, fit_h, fit_l, vocab_ids, hidden_size, say)
+
+
+def _teacher_outputs(args, graph, model, stream, held_stream, vocab_ids, hidden_size, say):
+    """The target's pass over the training and held-out windows, or the cache of an earlier run's."""
+    from rlxrt.manifest import MANIFEST_NAME
+
+    from . import teacher as t
+
+    directory = Path(args.out) / ".train"
+    key = t.cache_key(graph.path.parent / MANIFEST_NAME, stream, held_stream, vocab_ids, 4 * hidden_size)
+    found = t.load(directory, key)
+    if found is not None:
+        say(f"train-head: the target's outputs of an earlier run with the same target and corpus are reused "
+            f"({directory / t.CACHE})")
+        return found
+    windows, held_windows = (len(stream) - 1) // WINDOW, (len(held_stream) - 1) // WINDOW
+    data, fit_h, fit_l = t.teacher(model, stream, windows, 4 * hidden_size, vocab_ids)
+    held, *_ = t.teacher(model, held_stream, held_windows, 0, vocab_ids)
+    directory.mkdir(parents=True, exist_ok=True)
+    t.save(directory, key, data, held, fit_h, fit_l)
+    return data, held, fit_h, fit_l
 
 
 def _train_and_export(args, torch, graph, config, m, data, held, fit_h, fit_l, vocab_ids, hidden_size,
@@ -181,7 +183,7 @@ def _train_and_export(args, torch, graph, config, m, data, held, fit_h, fit_l, v
     torch.set_num_threads(max(1, args.threads or 2))
     torch.manual_seed(args.seed)
     n = 0 if vocab_ids is None else len(vocab_ids)
-    cfg = HeadConfig(hidden_size=hidden_size, vocab_size=m.vocab_size, draft_vocab=n)
+    cfg = HeadConfig(hidden_size=hidden_size, vocab_size=m.vocab_size, intermediate_size=args.mlp_size, draft_vocab=n)
     t = torch.from_numpy
     if vocab_ids is None:  # the full vocabulary: its recovered rows, frozen, in and out (a tied target's exactly)
         head = build_head(torch, cfg, t(w))
