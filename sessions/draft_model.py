@@ -16,7 +16,7 @@ from rlxrt.backends import CompiledGraph, compile
 from rlxrt.config import Config
 from rlxrt.speculator import AcceptDecision, Context, DraftProposal, Prefill, VerifyResult
 
-from .drafting import ModelSpeculator, check_same_vocabulary, draft_chain
+from .drafting import ModelSpeculator, check_same_vocabulary
 from .kv import KVModel
 from .state import StateModel, decoder_for
 
@@ -25,9 +25,11 @@ class DraftModel(ModelSpeculator):
     name = "draft-model"
     default_k = 4  # best at temperature 0 on the shipped pair (exporters/reference/results/bench.json)
 
-    def __init__(self, draft: str | os.PathLike | CompiledGraph, config: Config | None = None):
+    def __init__(self, draft: str | os.PathLike | CompiledGraph, config: Config | None = None, *,
+                 min_prob: float = 0.0):
         graph = draft if isinstance(draft, CompiledGraph) else compile(draft, config)
         self.model = decoder_for(graph)
+        self.set_min_prob(min_prob)
 
     def bind(self, target: KVModel | StateModel) -> None:
         check_same_vocabulary(target, self.model)
@@ -45,7 +47,7 @@ class DraftModel(ModelSpeculator):
         k = min(k, m.max_positions - len(ctx.tokens))
         if k <= 0:
             return DraftProposal(np.zeros(0, np.int64))
-        return draft_chain(m.forward(ctx.tokens[m.length:], rows=1)[-1], k, ctx, lambda x: m.forward((x,))[0])
+        return self.chain(m.forward(ctx.tokens[m.length:], rows=1)[-1], k, ctx, lambda x: m.forward((x,))[0])
 
     def commit(self, ctx: Context, decision: AcceptDecision, verify: VerifyResult) -> None:
         self.model.commit(len(ctx.tokens) - 1)

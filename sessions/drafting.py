@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from rlxrt.checks import as_float
 from rlxrt.errors import GenerationError
 from rlxrt.sampling import probs, sample
 from rlxrt.speculator import Context, DraftProposal, Speculator
@@ -29,18 +30,30 @@ def check_same_vocabulary(target: KVModel | StateModel, draft: KVModel | StateMo
         )
 
 
-def draft_chain(logits: np.ndarray, k: int, ctx: Context, step) -> DraftProposal:
-    """k drafted tokens: the first from ``logits`` [V], each next one from ``step(token)`` (the draft's
+def draft_chain(logits: np.ndarray, k: int, ctx: Context, step, min_prob: float = 0.0,
+                scratch: np.ndarray | None = None) -> DraftProposal:
+    """Up to k drafted tokens: the first from ``logits`` [V], each next one from ``step(token)`` (the draft's
     logits after it). Greedy takes the argmax; sampling draws from the transformed row, which the
-    acceptance rule then needs."""
+    acceptance rule then needs. With ``min_prob`` the chain ends before any position after the first where
+    the draft's likeliest token has a probability below ``min_prob``. That is decided from the draft's row
+    before a token is drawn from it: deciding on the drawn token instead would draw the kept ones from q
+    restricted to its likely tokens while the acceptance rule divides by q itself, which biases sampled
+    output (the pure-tier chi-square test caught exactly that). ``scratch`` [V] float32 is where greedy
+    computes the probability."""
     tokens = np.empty(k, np.int64)
     greedy = ctx.params.greedy
     rows = None if greedy else np.empty((k, len(logits)))
     for i in range(k):
         if greedy:
             x = int(logits.argmax())
+            if i and min_prob:
+                buf = np.subtract(logits, logits[x], out=scratch)
+                if 1.0 / np.exp(buf, out=buf).sum() < min_prob:
+                    return DraftProposal(tokens[:i], None)
         else:
             rows[i] = probs(logits, ctx.params)[0]
+            if i and rows[i].max() < min_prob:  # decided before drawing: a drafted token is still drawn from q
+                return DraftProposal(tokens[:i], rows[:i])
             x = sample(rows[i], ctx.rng)
         tokens[i] = x
         if i + 1 < k:
@@ -49,9 +62,21 @@ def draft_chain(logits: np.ndarray, k: int, ctx: Context, step) -> DraftProposal
 
 
 class ModelSpeculator(Speculator):
-    """A speculator that runs a graph of its own (``model``): its providers and its time in ORT."""
+    """A speculator that runs a graph of its own (``model``): its providers and its time in ORT.
+
+    ``min_prob`` (0 <= p < 1, default 0): a round's chain ends before a position after the first where the
+    draft's likeliest token is below p, so that unlikely tokens cost no draft step nor verification row."""
 
     model: KVModel | StateModel
+    min_prob: float = 0.0
+    scratch: np.ndarray | None = None
+
+    def set_min_prob(self, min_prob: float) -> None:
+        self.min_prob = as_float(min_prob, "min_prob (a draft's chain ends below it)", 0.0, 0.999)
+        self.scratch = np.empty(self.model.vocab_size, np.float32) if self.min_prob else None
+
+    def chain(self, logits: np.ndarray, k: int, ctx: Context, step) -> DraftProposal:
+        return draft_chain(logits, k, ctx, step, self.min_prob, self.scratch)
 
     @property
     def providers(self) -> list[str]:

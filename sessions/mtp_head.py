@@ -22,7 +22,7 @@ from rlxrt.config import Config
 from rlxrt.errors import GenerationError, ModelFormatError
 from rlxrt.speculator import AcceptDecision, Context, DraftProposal, Prefill, VerifyResult
 
-from .drafting import ModelSpeculator, check_same_vocabulary, draft_chain
+from .drafting import ModelSpeculator, check_same_vocabulary
 from .kv import KVModel
 from .state import StateModel
 
@@ -34,7 +34,8 @@ class MtpHead(ModelSpeculator):
     name = "mtp-head"
     default_k = 4
 
-    def __init__(self, head: str | os.PathLike | CompiledGraph, config: Config | None = None):
+    def __init__(self, head: str | os.PathLike | CompiledGraph, config: Config | None = None, *,
+                 min_prob: float = 0.0):
         graph = head if isinstance(head, CompiledGraph) else compile(head, config)
         m = graph.manifest
         if m is None or not m.draft_head or m.draft_head.get("kind") != "mtp":
@@ -42,6 +43,7 @@ class MtpHead(ModelSpeculator):
                                    "'mtp'); pass a model directory to DraftModel instead")
         self.model = StateModel(graph)
         self.hidden_size = int(m.draft_head["hidden_size"])
+        self.set_min_prob(min_prob)
         self.reset()
 
     def bind(self, target: KVModel | StateModel) -> None:
@@ -85,7 +87,7 @@ class MtpHead(ModelSpeculator):
         if k <= 0 or self.last is None:  # a one-token prompt: no hidden state before the first round
             return DraftProposal(np.zeros(0, np.int64))
         first = m.forward(ctx.tokens[m.length + 1:], self.last)[0]
-        return draft_chain(first, k, ctx, lambda x: m.forward((x,), m.hidden)[0])  # chained on its own hidden
+        return self.chain(first, k, ctx, lambda x: m.forward((x,), m.hidden)[0])  # chained on its own hidden
 
     def commit(self, ctx: Context, decision: AcceptDecision, verify: VerifyResult) -> None:
         if verify.hidden is None:

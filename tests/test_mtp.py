@@ -157,6 +157,17 @@ def test_greedy_with_the_mtp_head_equals_plain_greedy(target, head, plain, k):
     assert g.stats.drafted > 0 and g.stats.providers["draft"] == ["cpu"]
 
 
+def test_a_head_whose_chain_ends_below_min_prob_drafts_less_and_stays_exact(target, head, plain):
+    drafted = {}
+    for p in (0.0, 0.05, 0.5):
+        g = Session(target, MtpHead(head, CFG, min_prob=p), CFG, k=4).generate(PROMPT, max_new_tokens=40,
+                                                                              ignore_eos=True)
+        assert g.token_ids == plain
+        drafted[p] = g.stats.drafted_per_position
+        assert drafted[p][0] > 0 and all(a >= b for a, b in zip(drafted[p], drafted[p][1:]))
+    assert sum(drafted[0.5]) < sum(drafted[0.0])  # chains ended early (the random head is rarely sure)
+
+
 @pytest.fixture(scope="module")
 def int4_head(exported, target, tmp_path_factory):
     return make_head(target, exported.source("llama", seed=0), tmp_path_factory.mktemp("mtp") / "head4",
@@ -295,6 +306,14 @@ def test_cli_generate_with_a_head(exported, target, head, plain):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["token_ids"] == plain and out["stats"]["speculator"] == "mtp-head"
+    r = cli("--head", str(head), "-k", "3", "--min-draft-prob", "0.3", "--prompt", PROMPT, "--max-new-tokens", "40",
+            "--ignore-eos", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["token_ids"] == plain
+    r = cli("--speculator", "prompt-lookup", "--min-draft-prob", "0.3", "--prompt", PROMPT)
+    assert r.returncode == 2 and "--min-draft-prob needs a draft model or head" in r.stderr
+    r = cli("--head", str(head), "--min-draft-prob", "1.5", "--prompt", PROMPT)
+    assert r.returncode == 2 and "--min-draft-prob must be in [0, 1), got 1.5" in r.stderr
     r = cli("--speculator", "mtp", "--prompt", PROMPT)  # no head shipped for this target
     assert r.returncode == 2 and "needs --head DIR" in r.stderr
     r = cli("--head", str(head), "--speculator", "prompt-lookup", "--prompt", PROMPT)
@@ -305,8 +324,9 @@ def test_bench_runs_several_heads_side_by_side(target, head, int4_head):
     from rlxrt.app.bench import run_bench
 
     res = run_bench(target, None, [PROMPT], max_new_tokens=16, repeats=1, temperatures=(0.0,), ks=(2,),
-                    progress=False, head_dir=[head, int4_head], config=CFG)
+                    progress=False, head_dir=[head, int4_head], config=CFG, min_prob=0.3)
     rows = res["temperatures"]["0.0"]
-    assert {"mtp[head] k=2", "mtp[head4] k=2", "lookup+mtp[head] k=2"} <= set(rows)
+    assert {"mtp[head] k=2", "mtp[head4] k=2", "lookup+mtp[head] k=2", "mtp[head] k=2 p>=0.3",
+            "lookup+mtp[head4] k=2 p>=0.3"} <= set(rows)
     assert res["config"]["head"] == "head,head4"
     assert all(rows[n]["acceptance_rate"] >= 0 and rows[n]["tokens_per_s"] > 0 for n in rows)

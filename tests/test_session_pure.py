@@ -41,6 +41,44 @@ def test_sampled_sequences_follow_the_target(pair, spec):
         assert 0 < s.stats.acceptance_rate < 1  # both the accepted and the recovered paths were used
 
 
+def test_a_chain_ended_below_min_prob_keeps_sampling_exact(tmp_path):
+    """A draft whose rows after odd tokens are flat (likeliest 0.24) and after even ones skewed (0.52): with
+    ``min_prob=0.4`` its chain ends after a drafted odd token and goes on after an even one. The first
+    three tokens still follow the target's joint distribution. (Ending on the drawn token's own
+    probability instead fails this test: kept tokens would then come from q restricted, not from q.)"""
+    flat = np.array([0.24, 0.19, 0.19, 0.19, 0.19])
+    q = np.array([Q[i] if i % 2 == 0 else np.roll(flat, i) for i in range(V)])
+    target = make_bigram_model(tmp_path / "target", P)
+    s = Session(target, DraftModel(make_bigram_model(tmp_path / "draft", q), CFG, min_prob=0.4), CFG, k=3)
+    draws, joint = 20_000, np.zeros((V, V, V))
+    for seed in range(draws):
+        a, b, c = s.generate([0], max_new_tokens=3, temperature=1.0, seed=seed).token_ids
+        joint[a, b, c] += 1
+    expected = (draws * P[0][:, None, None] * P[:, :, None] * P[None, :, :]).ravel()
+    big = expected >= 5
+    obs, exp = np.append(joint.ravel()[big], joint.ravel()[~big].sum()), np.append(expected[big], expected[~big].sum())
+    assert chisquare(obs, exp).pvalue > 1e-3
+    d = s.stats.drafted_per_position
+    assert 0 < d[1] < 0.8 * d[0]  # the chain ended early in some rounds, not in all
+
+
+@pytest.mark.parametrize("min_prob, per_round", [(0.6, 1), (0.5, 3)])
+def test_greedy_with_min_prob_drafts_fewer_tokens_and_stays_exact(pair, min_prob, per_round):
+    target, draft = pair  # Q gives its likeliest token 0.52: below 0.6 every chain ends after one token
+    plain = Session(target, None, CFG).generate([2], max_new_tokens=30).token_ids
+    g = Session(target, DraftModel(draft, CFG, min_prob=min_prob), CFG, k=3).generate([2], max_new_tokens=30)
+    assert g.token_ids == plain
+    always = Session(target, DraftModel(draft, CFG), CFG, k=3).generate([2], max_new_tokens=30).stats
+    d = g.stats.drafted_per_position
+    assert d == (always.drafted_per_position if per_round == 3 else [always.drafted_per_position[0]])
+
+
+@pytest.mark.parametrize("min_prob", [1.0, -0.1, float("nan"), "0.3", True])
+def test_bad_min_prob_is_a_typed_error(pair, min_prob):
+    with pytest.raises(GenerationError, match="min_prob"):
+        DraftModel(pair[1], CFG, min_prob=min_prob)
+
+
 def test_sampled_plain_follows_the_target(pair):
     assert joint_pvalue(Session(pair[0], None, CFG), 10_000) > 1e-3
 

@@ -80,11 +80,13 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
               repeats: int = 3, temperatures=(0.0, 0.7), ks=(2, 4, 6), config=None,
               hf_dirs: tuple[Path, Path] | None = None, progress: bool = True,
               head_dir: Path | list[Path] | None = None, oga_dirs: tuple[Path, Path | None] | None = None,
-              other_target: Path | None = None, chat: bool = False) -> dict[str, Any]:
+              other_target: Path | None = None, chat: bool = False,
+              min_prob: float | None = None) -> dict[str, Any]:
     """``config`` (an ``rlxrt.Config``; default: 1 intra-op thread on the CPU) is used for every graph.
     ``hf_dirs`` adds transformers on the same weights, ``oga_dirs`` (target, draft) onnxruntime-genai's model
     directories of the same weights (greedy rows only: plain, draft, n-gram); ``other_target`` another export
     of the target (e.g. the portable graph of the same weights) whose plain decoding runs as one more row.
+    ``min_prob`` runs every draft and head row once more with that ``min_prob`` (rows named ``... p>=P``).
     ``chat`` sends each prompt as a user message through the target's chat template, and a reply ends at the
     end-of-turn token (times are per generated token); otherwise every request makes ``max_new_tokens``."""
     from rlxrt.backends import compile
@@ -100,15 +102,23 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
     target_graph = compile(target_dir, config)
     draft_graph = compile(draft_dir, config) if draft_dir else None
     specs = [Spec("plain", lambda: None)]
+    probs_ = [0.0] + ([min_prob] if min_prob else [])
+
+    def suffix(p):
+        return f" p>={p:g}" if p else ""
+
     if draft_graph is not None:
-        specs += [Spec(f"draft k={k}", lambda: DraftModel(draft_graph), k=k) for k in ks]
+        specs += [Spec(f"draft k={k}{suffix(p)}", lambda p=p: DraftModel(draft_graph, min_prob=p), k=k)
+                  for p in probs_ for k in ks]
         specs.append(Spec("draft adaptive", lambda: DraftModel(draft_graph), k=max(ks) // 2 or 1, adaptive=True))
     heads = [] if head_dir is None else [Path(head_dir)] if isinstance(head_dir, (str, Path)) else list(head_dir)
     for hd in heads:  # several heads: rows named after each head's directory
         head_graph = compile(hd, config)
         tag = f"mtp[{hd.name}]" if len(heads) > 1 else "mtp"
-        specs += [Spec(f"{tag} k={k}", lambda g=head_graph: MtpHead(g), k=k) for k in ks]
-        specs += [Spec(f"lookup+{tag} k={k}", lambda g=head_graph: build("lookup+mtp", g, None), k=k) for k in ks]
+        specs += [Spec(f"{tag} k={k}{suffix(p)}", lambda g=head_graph, p=p: MtpHead(g, min_prob=p), k=k)
+                  for p in probs_ for k in ks]
+        specs += [Spec(f"lookup+{tag} k={k}{suffix(p)}", lambda g=head_graph, p=p: build("lookup+mtp", g, None, p), k=k)
+                  for p in probs_ for k in ks]
     specs.append(Spec("prompt lookup k=4", lambda: PromptLookup(), k=4))
     sessions = {s.name: Session(target_graph, s.make(), k=s.k, adaptive_k=s.adaptive, k_max=min(max(ks) + 2, K_MAX))
                 for s in specs}

@@ -79,15 +79,18 @@ def _speculator(args: argparse.Namespace, config):
         raise UsageError(f"--speculator {kind} needs --draft DIR")
     if kind == "none":
         for flag, value in (("-k", args.k), ("--adaptive-k", args.adaptive_k),
-                            ("--draft-providers", args.draft_providers)):
+                            ("--draft-providers", args.draft_providers), ("--min-draft-prob", args.min_draft_prob)):
             if value:
                 raise UsageError(f"{flag} needs a speculator (--draft, --head or --speculator prompt-lookup|mtp); "
                                  "plain decoding drafts nothing")
-    if kind == "prompt-lookup" and args.draft_providers:
-        raise UsageError("--draft-providers needs a draft model or head; prompt lookup runs no model")
+    if kind == "prompt-lookup" and (args.draft_providers or args.min_draft_prob):
+        raise UsageError(f"--{'draft-providers' if args.draft_providers else 'min-draft-prob'} needs a draft model "
+                         "or head; prompt lookup runs no model")
+    if not 0 <= args.min_draft_prob < 1:
+        raise UsageError(f"--min-draft-prob must be in [0, 1), got {args.min_draft_prob}")
     draft_config = config.with_overrides(providers=args.draft_providers) if args.draft_providers else config
     helper = args.draft if model == "draft" else _head(args.head, args.target) if model == "mtp" else None
-    return speculators.build(kind, helper, draft_config)
+    return speculators.build(kind, helper, draft_config, args.min_draft_prob)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -277,6 +280,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError("--chat runs rlxrt's rows only; drop --oga-target/--hf-target (or --chat)")
     temps = _numbers(args.temperatures, "--temperatures", float, 0.0, 100.0)
     ks = _numbers(args.ks, "--ks", int, 1, K_MAX)
+    if args.min_draft_prob is not None and not 0 < args.min_draft_prob < 1:
+        raise UsageError(f"--min-draft-prob must be in (0, 1), got {args.min_draft_prob}")
     config = _config(args, intra_op_threads=1)
     target, draft = _pair(args, draft_optional=True)
     prompts = _prompts(args, args.prompts)
@@ -302,7 +307,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     res = run_bench(target, draft, prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                     temperatures=temps, ks=ks, config=config, hf_dirs=hf, progress=not args.quiet, head_dir=head,
                     oga_dirs=oga, other_target=Path(args.other_target) if args.other_target else None,
-                    chat=args.chat)
+                    chat=args.chat, min_prob=args.min_draft_prob)
     js, png = write_outputs(res, Path(args.out))
     print(format_table(res))
     print(f"wrote {js}" + (f" and {png}" if png else " (no PNG: matplotlib is not installed)"))
@@ -345,6 +350,9 @@ def add_commands(add, runtime_flags) -> None:
                         "lookup where the text repeats itself, else X)")
     p.add_argument("-k", type=int, help="tokens drafted per round, 1..32 (default 4)")
     p.add_argument("--adaptive-k", action="store_true", help="grow k after full acceptance, shrink after rejection")
+    p.add_argument("--min-draft-prob", type=float, default=0.0, metavar="P",
+                   help="a draft model's or head's chain ends where its likeliest token is below P (its first token is "
+                        "always drafted; exact either way); 0 (default): k tokens every round")
     p.add_argument("--prompt", help="the prompt text")
     p.add_argument("--prompt-file", help="read the prompt from a file (- for stdin)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -397,6 +405,9 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("--head", nargs="+", help="MTP head(s) for the target (default: the shipped head with the "
                                              "shipped pair); several heads run side by side")
     p.add_argument("--no-head", action="store_true", help="skip the MTP head rows")
+    p.add_argument("--min-draft-prob", type=float, metavar="P",
+                   help="also run each draft and head row with its chain ending where its likeliest token is "
+                        "below P (rows named '... p>=P')")
     p.add_argument("--chat", action="store_true", help="send each prompt as a user message through the target's "
                                                        "chat template; replies end at its end-of-turn token")
     p.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png")

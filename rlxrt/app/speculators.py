@@ -14,13 +14,15 @@ def model_of(kind: str) -> str | None:
     return base if base in ("draft", "mtp") else None
 
 
-def build(kind: str, helper, config):
+def build(kind: str, helper, config, min_prob: float = 0.0):
     """The speculator of ``kind`` (None for ``none``); ``helper`` is the draft model or head (a directory or
-    a compiled graph) when the kind runs one."""
+    a compiled graph) when the kind runs one; ``min_prob``: its chain ends where its likeliest token is below
+    it (``ModelSpeculator``)."""
     from rlxrt.sessions import Cascade, DraftModel, MtpHead, PromptLookup
 
     model = model_of(kind)
-    drafter = DraftModel(helper, config) if model == "draft" else MtpHead(helper, config) if model == "mtp" else None
+    drafter = DraftModel(helper, config, min_prob=min_prob) if model == "draft" else \
+        MtpHead(helper, config, min_prob=min_prob) if model == "mtp" else None
     if kind.startswith("lookup+"):
         return Cascade(PromptLookup(min_n=LOOKUP_MIN_N), drafter)
     return PromptLookup() if kind == "prompt-lookup" else drafter
