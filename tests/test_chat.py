@@ -215,6 +215,13 @@ def test_self_prompts_keep_finished_new_requests(monkeypatch):
     assert distill.self_prompts(s, 3) == ["tell me more"]  # the duplicate and the short ones are dropped
     assert len(s.calls) == 3 * distill.TRIES
 
+    # excluded prompts (e.g. the evaluation's) are dropped, equal or holding 80 % of their words
+    s = _Scripted([_reply("Explain what a hash table is."), _reply("explain what a hash table is, briefly"),
+                   _reply("Explain what a hash map is."), _reply("Explain how a compiler works."),
+                   _reply("Write a haiku about rain")])  # (5 of the 6 words of the first: dropped too)
+    assert distill.self_prompts(s, 2, exclude=["Explain what a hash table is.", "Tell me a joke"]) == [
+        "Explain how a compiler works.", "Write a haiku about rain"]
+
     s.has_chat_template = False
     with pytest.raises(UsageError, match="--self-prompts needs a model with a chat template.*--prompts FILE"):
         distill.self_prompts(s, 1)
@@ -244,3 +251,9 @@ def test_distill_self_prompts_end_to_end(exported, tmp_path, capsys):
     capsys.readouterr()
     assert main(["distill", str(model), "--out", str(tmp_path / "x.json")]) == 2
     assert "distill needs --prompts FILE or --self-prompts N" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text('{"not": "a list"}')
+    assert main([*args[:-1], "--out", str(tmp_path / "y.json"), "--exclude", str(tmp_path / "bad.json")]) == 2
+    assert "--exclude" in capsys.readouterr().err and not (tmp_path / "y-prompts.json").exists()
+    assert main(["distill", str(model), "--prompts", str(written), "--out", str(tmp_path / "z.json"),
+                 "--exclude", str(written)]) == 2
+    assert "pass --self-prompts N too" in capsys.readouterr().err

@@ -12,13 +12,16 @@ With no instructions at hand, ``--self-prompts N`` lets the target write them to
 chat template's empty user turn it samples a request (temperature 0.7, top-p 0.9, at most 64 tokens), each
 opened by one of a few generic openers (``OPENERS``) for variety; a request is kept when the target ended the
 turn itself, it has at least three words and it is new. The requests are written to ``OUT-prompts.json`` first
-and reused by a continued run.
+and reused by a continued run. ``--exclude FILE...`` keeps other requests out (an earlier batch, and above all
+the prompts you will measure the head on): a written request equal to one of them, or holding 80 % of its
+words, is dropped.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -33,6 +36,9 @@ def add_distill(add, runtime_flags) -> None:
     p.add_argument("--prompts", help="a .json list of prompts, or a text file with one per line")
     p.add_argument("--self-prompts", type=int, default=0, metavar="N",
                    help="the target also writes N requests itself (needs a chat template)")
+    p.add_argument("--exclude", nargs="+", default=[], metavar="FILE",
+                   help="with --self-prompts: drop written requests equal to (or holding 80%% of the words of) a "
+                        "prompt in these files (.json lists or one per line), e.g. your evaluation prompts")
     p.add_argument("--out", required=True, help="the corpus to write: a .json list of texts (continued if present)")
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--temperatures", default="0,0.7", help="comma-separated, cycled over the prompts")
@@ -45,21 +51,24 @@ def add_distill(add, runtime_flags) -> None:
 OPENERS = ("", "Write a Python function", "Explain", "How do I", "What is", "Can you", "Give me", "Describe",
            "Write a short", "Why")
 """How self-written requests start, cycled ("" leaves the whole request to the target)."""
+NEAR = 0.8
+"""A written request holding this share of an excluded prompt's words counts as that prompt."""
 PROMPT_TOKENS = 64
 TRIES = 4
 """Samples drawn per requested prompt at most, before giving up with fewer."""
 
 
-def self_prompts(session, n: int, seed: int = 0, progress=None) -> list[str]:
-    """Up to ``n`` user requests the target writes itself from its chat template's empty user turn;
-    ``progress(kept, tries)`` is called after each try."""
+def self_prompts(session, n: int, seed: int = 0, progress=None, exclude: list[str] = ()) -> list[str]:
+    """Up to ``n`` user requests the target writes itself from its chat template's empty user turn, none
+    equal or near (``NEAR``) to one of ``exclude``; ``progress(kept, tries)`` is called after each try."""
     if not session.has_chat_template:
         raise UsageError("--self-prompts needs a model with a chat template; pass --prompts FILE instead")
     marker = "\x00"
     text = session.chat_text([{"role": "user", "content": marker}])
     prefix = text[:text.index(marker)]
     kept: list[str] = []
-    seen: set[str] = set()
+    seen: set[str] = set(exclude)
+    avoid = [w for w in map(_words, exclude) if w]
     for i in range(n * TRIES):
         if len(kept) == n:
             break
@@ -67,7 +76,7 @@ def self_prompts(session, n: int, seed: int = 0, progress=None) -> list[str]:
         ids = session.codec.encode(prefix + opener, add_special_tokens=False)  # the template has its own BOS
         g = session.generate(ids, max_new_tokens=PROMPT_TOKENS, temperature=0.7, top_p=0.9, seed=seed + i)
         prompt = (opener + g.text).strip()
-        if _ended(g) and len(prompt.split()) >= 3 and prompt not in seen:
+        if _ended(g) and len(prompt.split()) >= 3 and prompt not in seen and not _near(_words(prompt), avoid):
             kept.append(prompt)
             seen.add(prompt)
         if progress:
@@ -75,22 +84,31 @@ def self_prompts(session, n: int, seed: int = 0, progress=None) -> list[str]:
     return kept
 
 
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"\w+", text.lower()))
+
+
+def _near(words: set[str], avoid: list[set[str]]) -> bool:
+    """True when ``words`` hold NEAR of the words of one of ``avoid``."""
+    return any(len(words & a) >= NEAR * len(a) for a in avoid)
+
+
 def _ended(g) -> bool:
     """True when generation ended at an end-of-sequence token (not a stop string, not the length)."""
     return g.finish_reason == "stop" and g.stop_reason is not None and not isinstance(g.stop_reason, str)
 
 
-def read_prompts(path: str) -> list[str]:
+def read_prompts(path: str, flag: str = "--prompts") -> list[str]:
     if path.lower().endswith(".json"):
-        data = read_json(Path(path), "--prompts")
+        data = read_json(Path(path), flag)
         if not isinstance(data, list) or not all(isinstance(p, str) for p in data):
-            raise UsageError(f"--prompts {path!r}: a .json file must hold a list of prompt strings")
+            raise UsageError(f"{flag} {path!r}: a .json file must hold a list of prompt strings")
         prompts = data
     else:
-        prompts = read_text(Path(path), "--prompts").splitlines()
+        prompts = read_text(Path(path), flag).splitlines()
     prompts = [p for p in prompts if p.strip()]
     if not prompts:
-        raise UsageError(f"--prompts {path!r} holds no prompt")
+        raise UsageError(f"{flag} {path!r} holds no prompt")
     return prompts
 
 
@@ -109,6 +127,9 @@ def cmd_distill(args: argparse.Namespace) -> int:
     if args.self_prompts < 0 or (args.prompts is None and args.self_prompts < 1):
         raise UsageError(f"distill needs --prompts FILE or --self-prompts N (N >= 1), got --self-prompts "
                          f"{args.self_prompts}")
+    if args.exclude and not args.self_prompts:
+        raise UsageError("--exclude filters the requests --self-prompts writes; pass --self-prompts N too")
+    exclude = [q for f in args.exclude for q in read_prompts(f, "--exclude")]
     prompts = read_prompts(args.prompts) if args.prompts else []
     out = Path(args.out)
     docs = read_json(out, "--out") if out.is_file() else []
@@ -116,7 +137,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
         raise UsageError(f"--out {args.out!r} exists and is not a JSON list; pass a new path")
     session = Session(args.target, PromptLookup(), _config(args, intra_op_threads=2))
     if args.self_prompts:
-        prompts += _self_prompts(session, args, out)
+        prompts += _self_prompts(session, args, out, exclude)
     prompts = prompts[:args.limit]
     chat = session.has_chat_template
     end = (session.manifest.chat or {}).get("eos_token") or ""
@@ -141,7 +162,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     return 0
 
 
-def _self_prompts(session, args: argparse.Namespace, out: Path) -> list[str]:
+def _self_prompts(session, args: argparse.Namespace, out: Path, exclude: list[str]) -> list[str]:
     """The self-written requests: read from OUT-prompts.json when a previous run wrote it, else written now."""
     path = out.with_name(out.stem + "-prompts.json")
     if path.is_file():
@@ -151,7 +172,7 @@ def _self_prompts(session, args: argparse.Namespace, out: Path) -> list[str]:
     def progress(kept: int, tries: int) -> None:
         print(f"\r  {kept}/{args.self_prompts} requests written ({tries} tries)", end="", file=sys.stderr, flush=True)
 
-    prompts = self_prompts(session, args.self_prompts, args.seed, None if args.quiet else progress)
+    prompts = self_prompts(session, args.self_prompts, args.seed, None if args.quiet else progress, exclude)
     if not prompts:
         raise UsageError(f"the target wrote no usable request in {args.self_prompts * TRIES} tries; "
                          "pass --prompts FILE instead")
