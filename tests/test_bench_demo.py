@@ -83,3 +83,37 @@ def test_demo_speculators_on_the_shipped_pair(kind, capsys):
     assert "output identical to plain greedy decoding: yes" in out
     assert ("MTP head (drafts" in out) == kind.endswith("mtp")
     assert ("prompt lookup, else" in out and "rounds drafted by prompt lookup / the" in out) == ("lookup" in kind)
+
+
+def test_smollm2_recipe_keeps_the_bench_prompts_out_of_the_self_written_requests(tmp_path, monkeypatch):
+    """The recipe's wiring, its steps recorded instead of run: the self-written requests exclude the held-out
+    bench prompts, the head trains on all three corpora, and steps whose output exists are skipped."""
+    from rlxrt.app import smollm2
+
+    calls = []
+
+    def export(work, name, *flags):
+        calls.append(["export", name, *flags])
+        (work / name).mkdir()
+        (work / name / "rlxrt.json").write_text("{}")
+
+    monkeypatch.setattr(smollm2, "_export", export)
+    monkeypatch.setattr(smollm2, "_run", lambda cmd: calls.append(cmd[3:]))
+    (tmp_path / "corpus.json").write_text("[]")
+    smollm2.build(tmp_path)
+    assert [c[:2] for c in calls] == [["export", "target"], ["distill", str(tmp_path / "target")],
+                                      ["export", "int4"], ["distill", str(tmp_path / "int4")],
+                                      ["train-head", str(tmp_path / "target")]]
+    own = calls[3]
+    held_out = own[own.index("--exclude") + 1]
+    assert json.loads(open(held_out).read()) == smollm2.BENCH_PROMPTS and len(set(smollm2.BENCH_PROMPTS)) == 16
+    instructions = json.loads((tmp_path / "distill-prompts.json").read_text())
+    assert len(instructions) > 400 and not set(smollm2.BENCH_PROMPTS) & set(instructions)
+    train = calls[4]
+    assert train[train.index("--corpus") + 1:train.index("--out")] == [
+        str(tmp_path / n) for n in ("self.json", "distill.json", "corpus.json")]
+    calls.clear()
+    (tmp_path / "head").mkdir()
+    (tmp_path / "head" / "rlxrt.json").write_text("{}")
+    smollm2.build(tmp_path)
+    assert calls == []

@@ -28,7 +28,8 @@ DISTILL = ["--max-new-tokens", "160", "--temperatures", "0,0.7", "--threads", "2
 """The self-distillation replies: about 20 minutes on 2 cores for the 439 prompts of ``distill_prompts``."""
 SELF = ["--self-prompts", "800", "--seed", "1000", "--max-new-tokens", "160", "--temperatures", "0,0.7",
         "--threads", "2"]
-"""The target's own requests and replies: about 12 + 30 minutes on 2 cores with the int4 export."""
+"""The target's own requests and replies: about 12 + 30 minutes on 2 cores with the int4 export; requests near
+a ``BENCH_PROMPTS`` entry are dropped (``--exclude``)."""
 PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
            "Explain in two sentences what a hash table is.",
            "Write a Python class Stack with push, pop and peek methods.",
@@ -39,9 +40,17 @@ SPECULATOR = "lookup+mtp"
 BENCH_PROMPTS = PROMPTS + ["Write a Python function that checks whether a string is a palindrome.",
                            "Give three tips for staying focused while studying.",
                            "Write a Python function that counts the words in a text file.",
-                           "Describe how a rainbow forms."]
-"""Held-out chat prompts for ``rlxrt bench --chat`` (four code, four prose; none in the corpus or among the
-distillation prompts)."""
+                           "Describe how a rainbow forms.",
+                           "Write a Python function that merges two sorted lists into one sorted list.",
+                           "Write a Python function that removes duplicates from a list while keeping the order.",
+                           "Write a Python function that converts a temperature from Celsius to Fahrenheit.",
+                           "Write a Python script that prints the multiplication table from 1 to 10.",
+                           "What are the benefits of regular exercise?",
+                           "Explain the difference between weather and climate.",
+                           "Write a short poem about the ocean.",
+                           "How do plants make their food?"]
+"""Held-out chat prompts for ``rlxrt bench --chat`` (eight code, eight prose; none in the corpus or among the
+distillation prompts, and the recipe's self-written requests exclude them)."""
 
 
 def work_dir() -> Path:
@@ -78,8 +87,11 @@ def build(work: Path) -> None:
               "--out", str(dialogues), *DISTILL])
         if not (work / "int4" / "rlxrt.json").is_file():
             _export(work, "int4", "--quantize", "int4")
+        held_out = work / "bench-prompts.json"
+        held_out.write_text(json.dumps(BENCH_PROMPTS), encoding="utf-8")
         own = work / "self.json"
-        _run([sys.executable, "-m", "rlxrt", "distill", str(work / "int4"), "--out", str(own), *SELF])
+        _run([sys.executable, "-m", "rlxrt", "distill", str(work / "int4"), "--out", str(own), *SELF,
+              "--exclude", str(held_out)])
         _run([sys.executable, "-m", "rlxrt", "train-head", str(work / "target"), "--corpus", str(own),
               str(dialogues), str(corpus), "--out", str(work / "head"), *TRAIN])
     print(f"SmolLM2-135M-Instruct and its head are in {work}; try `rlxrt demo --model smollm2`")
