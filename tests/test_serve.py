@@ -63,6 +63,26 @@ def test_completion_equals_session(spec, direct):
     assert [m.id for m in models.data] == ["m"]
 
 
+def test_min_draft_prob_serves_plain_greedy_with_shorter_chains():
+    """`serve --head H -k 4 --min-draft-prob 0.5`: the replies equal plain greedy decoding, and some rounds
+    drafted fewer than k tokens (the shipped head: about 1.4 tokens a round at P=0.5, 3.6 at P=0, when the length
+    clips the last rounds)."""
+    from rlxrt.app.commands import _head
+
+    server = Running(options(TARGET, "mtp", _head(None, None), k=4, min_prob=0.5))
+    try:
+        c, plain = server.client(), Session(TARGET, None, CPU)
+        drafted = rounds = 0
+        for p in PROMPTS[:3]:
+            r = c.completions.create(model="m", prompt=p, max_tokens=40, temperature=0)
+            assert r.choices[0].text == plain.generate(p, max_new_tokens=40).text
+            s = r.usage.model_extra["speculative"]
+            drafted, rounds = drafted + s["draft_tokens"], rounds + s["drafts"]
+        assert rounds <= drafted < 2 * rounds
+    finally:
+        server.stop()
+
+
 def test_chat_and_streaming(spec, direct):
     c = spec.client()
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]

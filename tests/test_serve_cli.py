@@ -54,6 +54,8 @@ def _client(port: int):
     (["--draft", "x"], "--target"), (["--request-timeout", "0"], "--request-timeout"),
     (["--target", "t", "--draft", "d", "--head", "h"], "exclude"),
     (["--target", "t", "--speculator", "prompt-lookup", "--draft", "d"], "drop --draft"),
+    (["--min-draft-prob", "1.5"], "--min-draft-prob must be in [0, 1), got 1.5"),
+    (["--speculator", "prompt-lookup", "--min-draft-prob", "0.3"], "needs a draft model or head"),
 ])
 def test_serve_usage_errors(flags, words, capsys):
     from rlxrt.app.cli import main
@@ -93,11 +95,12 @@ def test_ray_app_builder_for_serve_run():
     pytest.importorskip("ray")
     from rlxrt.app.serve.ray_app import build
 
-    app = build({"workers": "2", "replicas": "3", "threads": "1", "k": "3"})
+    app = build({"workers": "2", "replicas": "3", "threads": "1", "k": "3", "min_draft_prob": "0.3"})
     d = app._bound_deployment
     assert d.num_replicas == 3
     opts = d.init_args[0]
     assert (opts.workers, opts.k, opts.speculator, opts.config.intra_op_threads) == (2, 3, "draft", 1)
+    assert opts.min_prob == 0.3
     assert opts.target.endswith("target") and opts.draft.endswith("draft")
     assert build({"target": str(TARGET)})._bound_deployment.init_args[0].speculator == "none"
     with pytest.raises(ValueError, match="wibble"):

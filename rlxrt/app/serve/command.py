@@ -42,6 +42,9 @@ def model_flags(p: argparse.ArgumentParser) -> None:
                         "prompt lookup where the text repeats itself, else X")
     p.add_argument("-k", type=int, help="tokens drafted per round, 1..32 (default: 2 for a draft model or head, "
                                         "4 for prompt lookup)")
+    p.add_argument("--min-draft-prob", type=float, default=0.0, metavar="P",
+                   help="a draft model's or head's chain ends where its likeliest token is below P (exact either "
+                        "way); 0 (default): k tokens every round")
 
 
 def options_from(args: argparse.Namespace, workers: int, config):
@@ -78,8 +81,8 @@ def options_from(args: argparse.Namespace, workers: int, config):
     name = args.model_name or ("rlxrt-reference" if args.target is None else None)
     k = args.k if args.k is not None else SERVE_MODEL_K if model_of(speculator) else None
     return ServeOptions(target=target, speculator=speculator, draft=helper, k=k, config=config,
-                        workers=workers, max_queue=args.max_queue, request_timeout=args.request_timeout,
-                        model_name=name)
+                        min_prob=args.min_draft_prob, workers=workers, max_queue=args.max_queue,
+                        request_timeout=args.request_timeout, model_name=name)
 
 
 def _require(module: str, extra: str) -> None:

@@ -176,6 +176,8 @@ def _server_flags(args: argparse.Namespace, k: int | None) -> tuple[list[str], l
         spec += ["--head", args.head]
     name = args.speculator or ("draft" if args.draft or not args.target else "mtp" if args.head else "prompt-lookup")
     spec += ["--speculator", name] + (["-k", str(k)] if k else [])
+    if args.min_draft_prob:
+        spec += ["--min-draft-prob", str(args.min_draft_prob)]
     return base + model + ["--speculator", "none"], base + spec, name
 
 

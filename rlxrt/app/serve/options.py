@@ -28,6 +28,8 @@ class ServeOptions:
     k: int | None = None
     """Tokens drafted per round (None: the speculator's default)."""
     config: Config = Config()
+    min_prob: float = 0.0
+    """A draft model's or head's chain ends where its likeliest token is below this (0: k tokens a round)."""
     workers: int = 1
     """Sessions (and worker threads) of one server or replica."""
     max_queue: int = 64
@@ -43,6 +45,10 @@ class ServeOptions:
         model = model_of(self.speculator)
         if model and not self.draft:
             raise UsageError(f"speculator {self.speculator} needs {'--draft' if model == 'draft' else '--head'} DIR")
+        if not 0 <= self.min_prob < 1:
+            raise UsageError(f"--min-draft-prob must be in [0, 1), got {self.min_prob}")
+        if self.min_prob and not model:
+            raise UsageError(f"--min-draft-prob needs a draft model or head; speculator {self.speculator} runs neither")
         if not 1 <= self.workers <= 256:
             raise UsageError(f"--workers must be in 1..256, got {self.workers}")
         if not 0 <= self.max_queue <= 1_000_000:
@@ -75,7 +81,7 @@ def make_server(opts: ServeOptions):
     helper = compile(opts.draft, config) if model_of(opts.speculator) else None
 
     def make_session():
-        return Session(target, build(opts.speculator, helper, config), config, k=opts.k)
+        return Session(target, build(opts.speculator, helper, config, opts.min_prob), config, k=opts.k)
 
     holder = {}
     metrics = Metrics(opts.name, lambda: holder["pool"])
