@@ -46,7 +46,8 @@ def test_bench_chat_sends_user_turns_and_stops_at_end_of_turn(exported, tmp_path
     model = exported("llama", seed=3, chat_template=CHATML)
     res = run_bench(model, None, ["def add(a, b):", "Write a loop."], max_new_tokens=12, repeats=1,
                     temperatures=(0.0,), ks=(2,), progress=False, chat=True)
-    assert res["config"]["chat"] is True and set(res["temperatures"]["0.0"]) == {"plain", "prompt lookup k=4"}
+    assert res["config"]["chat"] is True and res["config"]["min_prob"] == 0.0
+    assert set(res["temperatures"]["0.0"]) == {"plain", "prompt lookup k=4"}
     # the prompts went through the template: the requests' prompt lengths are those of the rendered turns
     from rlxrt.sessions import Session
 

@@ -328,5 +328,5 @@ def test_bench_runs_several_heads_side_by_side(target, head, int4_head):
     rows = res["temperatures"]["0.0"]
     assert {"mtp[head] k=2", "mtp[head4] k=2", "lookup+mtp[head] k=2", "mtp[head] k=2 p>=0.3",
             "lookup+mtp[head4] k=2 p>=0.3"} <= set(rows)
-    assert res["config"]["head"] == "head,head4"
+    assert res["config"]["head"] == "head,head4" and res["config"]["min_prob"] == 0.3
     assert all(rows[n]["acceptance_rate"] >= 0 and rows[n]["tokens_per_s"] > 0 for n in rows)
