@@ -1,5 +1,5 @@
 """Three ORT sessions of the same graph in one process, decoding the same requests in turn: per-step time by
-load order (``python same-graph-three-sessions.py [TARGET_DIR]``, default the SmolLM2 recipe's target)."""
+load order (``python scripts/load_order.py [TARGET_DIR]``, default the SmolLM2 recipe's target)."""
 import os
 import sys
 import time
