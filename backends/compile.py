@@ -95,18 +95,31 @@ class CompiledGraph:
 
 
 @lru_cache(maxsize=1)
-def machine_fingerprint() -> str:
-    """CPU model and feature flags: an ORT-optimised graph can be hardware-specific."""
-    parts = [platform.system(), platform.machine(), platform.processor()]
+def _cpuinfo() -> tuple[tuple[str, str], ...]:
+    """The first two (key, value) pairs of /proc/cpuinfo among model name, flags and Features (Linux)."""
+    found = []
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
                 if line.startswith(("model name", "flags", "Features")):
-                    parts.append(line.split(":", 1)[1].strip())
-                if len(parts) >= 5:
+                    key, value = line.split(":", 1)
+                    found.append((key.strip(), value.strip()))
+                if len(found) >= 2:
                     break
     except OSError:
         pass
+    return tuple(found)
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name where the system gives one (Linux x86), for benchmark results."""
+    return next((value for key, value in _cpuinfo() if key == "model name"), None)
+
+
+@lru_cache(maxsize=1)
+def machine_fingerprint() -> str:
+    """CPU model and feature flags: an ORT-optimised graph can be hardware-specific."""
+    parts = [platform.system(), platform.machine(), platform.processor(), *(value for _, value in _cpuinfo())]
     return hashlib.blake2b("|".join(parts).encode(), digest_size=8).hexdigest()
 
 

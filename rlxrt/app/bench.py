@@ -43,17 +43,6 @@ class Progress:
         sys.stderr.flush()
 
 
-def cpu_name() -> str | None:
-    """The CPU's model name (Linux), for results: the same graphs speculate differently on other CPUs."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
 def analytic_speedup(tokens_per_round: float, t_round: float, t1: float) -> float:
     """The speedup a loop with no overhead would reach: tokens_per_round * T(1) / T(round).
 
@@ -101,6 +90,7 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
     ``chat`` sends each prompt as a user message through the target's chat template, and a reply ends at the
     end-of-turn token (times are per generated token); otherwise every request makes ``max_new_tokens``."""
     from rlxrt.backends import compile
+    from rlxrt.backends.compile import cpu_model  # the same graphs speculate differently on other CPUs
     from rlxrt.config import Config
     from rlxrt.limits import K_MAX
     from rlxrt.sessions import DraftModel, MtpHead, PromptLookup, Session
@@ -172,7 +162,7 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
                                           "prompts": len(prompts), "max_new_tokens": max_new_tokens,
                                           "repeats": repeats, "threads": threads,
                                           "providers": list(target_graph.providers), "ks": list(ks),
-                                          "chat": chat, "min_prob": min_prob or 0.0, "cpu": cpu_name()},
+                                          "chat": chat, "min_prob": min_prob or 0.0, "cpu": cpu_model()},
                                "temperatures": {}}
     prompt_lens: list[int] = []
     for s in sessions.values():  # warm-up: first runs allocate
