@@ -28,6 +28,7 @@ from rlxrt.providers import short_name
 
 from ._ort import ort_errors
 from .contract import check_contract
+from .hugepages import HugePages, collapse_new, resident_chunks
 from .modelfile import content_hash, external_files, locate
 from .registry import Registry, Resolution, default_registry
 
@@ -74,6 +75,8 @@ class CompiledGraph:
     config: Config = field(repr=False)
     errors: tuple[type[Exception], ...] = field(default=(RuntimeError,), repr=False)
     """The exception classes this session's ``run`` raises on an ONNX Runtime failure."""
+    huge_pages: HugePages = field(default_factory=lambda: HugePages("off: not requested"), repr=False)
+    """The move of the weights onto huge pages (CPU sessions): ``.state``, ``.wait()``."""
 
     @property
     def input_names(self) -> list[str]:
@@ -86,7 +89,7 @@ class CompiledGraph:
     def to_dict(self) -> dict[str, Any]:
         return {
             "path": str(self.path), "providers": self.providers, "requested": self.requested,
-            "fallbacks": self.fallbacks, "cache": self.cache,
+            "fallbacks": self.fallbacks, "cache": self.cache, "huge_pages": self.huge_pages.state,
             "cache_path": str(self.cache_path) if self.cache_path else None,
             "load_seconds": round(self.load_seconds, 4),
             "inputs": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in self.inputs],
@@ -177,6 +180,7 @@ def compile(model: str | os.PathLike, config: Config | None = None, *,
     ort = registry.ort
 
     cache_state, cache_path, session = "off", None, None
+    before = resident_chunks() if config.huge_pages else None
     non_cacheable = [n for n in res.names if n not in CACHEABLE]
     if not config.cache:
         cache_state = "off: disabled in config"
@@ -196,6 +200,12 @@ def compile(model: str | os.PathLike, config: Config | None = None, *,
                 raise ProviderError(f"{msg}; strict mode is on — fix the provider or drop it from the config")
             log.warning(msg)
             fallbacks.append(msg)
+    if not config.huge_pages:
+        pages = HugePages("off: huge_pages = false in config")
+    elif used[0] != "cpu":
+        pages = HugePages(f"off: the weights live on {used[0]}")
+    else:
+        pages = collapse_new(before)
     inputs = [TensorSpec(i.name, tuple(i.shape), i.type) for i in session.get_inputs()]
     outputs = [TensorSpec(o.name, tuple(o.shape), o.type) for o in session.get_outputs()]
     if manifest is not None:
@@ -204,7 +214,7 @@ def compile(model: str | os.PathLike, config: Config | None = None, *,
         session=session, path=graph_path, manifest=manifest, providers=used,
         requested=list(config.providers), fallbacks=fallbacks, inputs=inputs, outputs=outputs,
         cache=cache_state, cache_path=cache_path, load_seconds=time.perf_counter() - start, config=config,
-        errors=ort_errors(ort),
+        errors=ort_errors(ort), huge_pages=pages,
     )
 
 

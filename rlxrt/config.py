@@ -68,6 +68,8 @@ class Config:
     """Whether to use the on-disk cache of optimised graphs."""
     provider_options: Mapping[str, Mapping[str, str]] = field(default_factory=lambda: MappingProxyType({}))
     """Per-provider ORT options, e.g. {"cuda": {"device_id": "1"}}; values are passed to ORT as strings."""
+    huge_pages: bool = True
+    """Move a CPU session's weights onto transparent huge pages after loading (Linux 6.1+, in the background)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -186,7 +188,7 @@ def _provider_options(value: Any, source: str) -> Mapping[str, Mapping[str, str]
 def _coerce(key: str, value: Any, source: str) -> Any:
     if key == "providers":
         return _providers(value, source)
-    if key == "strict" or key == "cache":
+    if key in ("strict", "cache", "huge_pages"):
         return _bool(key, value, source)
     if key in ("intra_op_threads", "inter_op_threads"):
         return _int(key, value, source, 0, MAX_THREADS)

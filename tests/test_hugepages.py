@@ -1,0 +1,97 @@
+"""Huge pages for a CPU session's weights: the pure parts with a fake libc, then the real kernel on the
+shipped target (whichever way this kernel answers, the state must say so truthfully)."""
+import ctypes
+import mmap
+import sys
+
+
+from rlxrt import Config, compile
+from rlxrt.app.reference import reference_pair, reference_prompts
+from rlxrt.backends.hugepages import CHUNK, MADV_COLLAPSE, HugePages, collapse_new, runs
+
+MIB = 1 << 20
+
+
+class FakeLibc:
+    def __init__(self, answer: int):
+        self.answer, self.calls = answer, []
+
+    def madvise(self, start, length, advice):
+        self.calls.append((start, length, advice))
+        if self.answer:
+            ctypes.set_errno(self.answer)
+            return -1
+        return 0
+
+
+def test_adjacent_chunks_are_collapsed_in_one_call_per_run():
+    chunks = {10 * CHUNK, 11 * CHUNK, 12 * CHUNK, 20 * CHUNK}
+    assert runs(chunks) == [(10 * CHUNK, 13 * CHUNK), (20 * CHUNK, 21 * CHUNK)]
+    libc = FakeLibc(0)
+    pages = HugePages("collapsing", frozenset(chunks), libc).start()
+    assert pages.wait(10) == "on: 8 MiB" and pages.mib == 8
+    assert libc.calls == [(10 * CHUNK, 3 * CHUNK, MADV_COLLAPSE), (20 * CHUNK, CHUNK, MADV_COLLAPSE)]
+
+
+def test_a_refusing_kernel_is_a_state_not_an_error():
+    pages = HugePages("collapsing", frozenset({4 * CHUNK}), FakeLibc(22)).start()
+    assert pages.wait(10).startswith("off: the kernel refused MADV_COLLAPSE (errno 22)")
+    assert pages.mib == 0
+
+
+def test_without_mincore_nothing_is_tried():
+    assert collapse_new(None).state == "off: needs Linux (mincore, madvise)"
+
+
+def test_config_turns_it_off(monkeypatch):
+    target, _ = reference_pair()
+    monkeypatch.setenv("RLXRT_HUGE_PAGES", "0")
+    from rlxrt import load_config
+
+    config = load_config().with_overrides(intra_op_threads=1, cache=False)
+    assert config.huge_pages is False
+    graph = compile(target, config)
+    assert graph.huge_pages.wait() == "off: huge_pages = false in config"
+    assert graph.to_dict()["huge_pages"] == graph.huge_pages.state
+
+
+def _kernel_collapses() -> bool:
+    """Ask the kernel directly, on a region of our own, whether it collapses anonymous memory."""
+    if not sys.platform.startswith("linux"):
+        return False
+    region = mmap.mmap(-1, 3 * CHUNK)
+    region.write(b"\x01" * (3 * CHUNK))  # resident
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    start = (base + CHUNK - 1) & ~(CHUNK - 1)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    ok = libc.madvise(start, CHUNK, MADV_COLLAPSE) == 0
+    region.close()
+    return ok
+
+
+def _anon_huge_kib() -> int:
+    with open("/proc/self/smaps_rollup") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("AnonHugePages:"))
+
+
+def test_the_weights_move_onto_huge_pages_and_decoding_is_unchanged():
+    from rlxrt.sessions import Session
+
+    target, _ = reference_pair()
+    prompt = reference_prompts()[0]
+    plain = Session(compile(target, Config(intra_op_threads=1, cache=False, huge_pages=False)))
+    expected = plain.generate(prompt, max_new_tokens=24, ignore_eos=True).token_ids
+    graph = compile(target, Config(intra_op_threads=1, cache=False))
+    # decoding while the collapse may still be under way, then after it
+    during = Session(graph).generate(prompt, max_new_tokens=24, ignore_eos=True).token_ids
+    state = graph.huge_pages.wait(60)
+    after = Session(graph).generate(prompt, max_new_tokens=24, ignore_eos=True).token_ids
+    assert during == expected and after == expected
+    if _kernel_collapses():
+        weights = sum(f.stat().st_size for f in target.glob("*.data"))
+        assert state.startswith("on: "), state
+        assert graph.huge_pages.mib * MIB >= weights // 2  # the packed weights, not a stray chunk
+        assert _anon_huge_kib() * 1024 >= graph.huge_pages.mib * MIB
+    else:
+        assert state.startswith("off: the kernel refused") or state == "off: needs Linux (mincore, madvise)"
