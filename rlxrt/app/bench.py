@@ -102,6 +102,7 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
 
     target_graph = compile(target_dir, config)
     draft_graph = compile(draft_dir, config) if draft_dir else None
+    graphs = [target_graph, draft_graph]
     specs = [Spec("plain", lambda: None)]
     probs_ = [0.0] + ([min_prob] if min_prob else [])
 
@@ -115,6 +116,7 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
     heads = [] if head_dir is None else [Path(head_dir)] if isinstance(head_dir, (str, Path)) else list(head_dir)
     for hd in heads:  # several heads: rows named after each head's directory
         head_graph = compile(hd, config)
+        graphs.append(head_graph)
         tag = f"mtp[{hd.name}]" if len(heads) > 1 else "mtp"
         specs += [Spec(f"{tag} k={k}{suffix(p)}", lambda g=head_graph, p=p: MtpHead(g, min_prob=p), k=k)
                   for p in probs_ for k in ks]
@@ -124,7 +126,8 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
     sessions = {s.name: Session(target_graph, s.make(), k=s.k, adaptive_k=s.adaptive, k_max=min(max(ks) + 2, K_MAX))
                 for s in specs}
     if other_target is not None:
-        other = Session(compile(other_target, config))
+        graphs.append(compile(other_target, config))
+        other = Session(graphs[-1])
         kind = other.manifest.graph_kind  # another graph kind, or the same kind as another variant (its directory)
         label = kind if kind != sessions["plain"].manifest.graph_kind else Path(other_target).name
         sessions[f"{label} plain"] = other
@@ -162,7 +165,8 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
                                           "prompts": len(prompts), "max_new_tokens": max_new_tokens,
                                           "repeats": repeats, "threads": threads,
                                           "providers": list(target_graph.providers), "ks": list(ks),
-                                          "chat": chat, "min_prob": min_prob or 0.0, "cpu": cpu_model()},
+                                          "chat": chat, "min_prob": min_prob or 0.0, "cpu": cpu_model(),
+                                          "huge_pages": [g.huge_pages.wait() for g in graphs if g is not None]},
                                "temperatures": {}}
     prompt_lens: list[int] = []
     for s in sessions.values():  # warm-up: first runs allocate
