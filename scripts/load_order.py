@@ -1,5 +1,7 @@
-"""Three ORT sessions of the same graph in one process, decoding the same requests in turn: per-step time by
-load order (``python scripts/load_order.py [TARGET_DIR]``, default the SmolLM2 recipe's target)."""
+"""ORT sessions of the same graph in one process, decoding the same requests in turn: per-step time by load
+order and page size. ``python scripts/load_order.py [TARGET_DIR] [PAGES]``: TARGET_DIR defaults to the SmolLM2
+recipe's target; PAGES lists one session per entry in load order, ``huge`` (the default: weights moved onto
+huge pages) or ``small`` (4 KiB pages), e.g. ``small,huge,small,huge``; default ``huge,huge,huge``."""
 import os
 import sys
 import time
@@ -11,9 +13,12 @@ from rlxrt.backends import compile
 from rlxrt.config import Config
 from rlxrt.sessions import Session
 
-cfg = Config(providers=("cpu",), intra_op_threads=1, cache=False)
 target = os.path.expanduser(sys.argv[1] if len(sys.argv) > 1 else "~/.cache/rlxrt/smollm2/target")
-sessions = [Session(compile(target, cfg), None, cfg) for _ in range(3)]
+pages = (sys.argv[2] if len(sys.argv) > 2 else "huge,huge,huge").split(",")
+graphs = [compile(target, Config(providers=("cpu",), intra_op_threads=1, cache=False, huge_pages=p == "huge"))
+          for p in pages]
+states = [g.huge_pages.wait() for g in graphs]
+sessions = [Session(g) for g in graphs]
 prompts = reference_prompts()[:4]
 for s in sessions:
     s.generate(prompts[0], max_new_tokens=8, ignore_eos=True)
@@ -27,4 +32,4 @@ for _ in range(2):
                 times.setdefault((i, n), []).append(time.perf_counter() - t0)
 m = {k: np.median(v) * 1e3 for k, v in times.items()}
 for i in range(len(sessions)):
-    print(f"session {i}: prefill {m[(i, 1)]:.1f} ms, step {(m[(i, 65)] - m[(i, 1)]) / 64:.2f} ms")
+    print(f"session {i} ({states[i]}): prefill {m[(i, 1)]:.1f} ms, step {(m[(i, 65)] - m[(i, 1)]) / 64:.2f} ms")
