@@ -31,6 +31,7 @@ from rlxrt.stats import RequestStats
 from rlxrt.textstream import TextStream
 
 from .chat import NO_TEMPLATE, ChatTemplate, chat_template_for
+from .k_choice import KChoice
 from .state import decoder_for
 from .text import codec_for
 from .turns import Claim, Turns
@@ -122,8 +123,8 @@ class Session:
     CompiledGraph: several Sessions may share one); ``speculator`` is e.g.
     ``DraftModel(dir)`` or ``PromptLookup()`` and belongs to this Session alone;
     ``k`` is the number of tokens drafted per round (default: the speculator's);
-    ``adaptive_k`` grows k by 2 after a fully accepted round and shrinks it by 1
-    after a rejection, within 1..k_max.
+    ``adaptive_k`` picks each round's k in 1..k_max from what this Session's rounds have cost and earned
+    (the k with the most expected tokens per second; see ``sessions/k_choice.py``), starting from ``k``.
     """
 
     def __init__(self, target: str | os.PathLike | CompiledGraph, speculator: Speculator | None = None,
@@ -147,6 +148,7 @@ class Session:
         self.k = self._check_k(k if k is not None else speculator.default_k if speculator else 4)
         self.adaptive_k = as_bool(adaptive_k, "adaptive_k")
         self.k_max = self._check_k(k_max if k_max is not None else max(self.k, min(2 * self.k, K_MAX)), "k_max")
+        self._k_choice = KChoice(min(self.k, self.k_max), self.k_max) if self.adaptive_k else None
         self.speculator = speculator
         if speculator is not None:
             speculator.attach(self)
@@ -336,7 +338,8 @@ class Session:
             stats.prefill_seconds = t_decode - t_start
             run0 = target.run_seconds + (spec.run_seconds if spec else 0.0)  # decode only, like decode_seconds
             greedy = ctx.params.greedy
-            k_now = k
+            choice = self._k_choice if spec is not None else None
+            k_now = choice.k if choice is not None else k
             feed_buf = np.empty(K_MAX + 1, np.int64)  # the pending token and the drafts of a round
             while True:
                 generated = len(ctx.tokens) - prompt_len
@@ -368,8 +371,8 @@ class Session:
                 stats.record_round(len(drafted), decision.accepted, decision.bonus)
                 stats.draft_seconds += t1 - t0
                 stats.target_seconds += t2 - t1
-                if self.adaptive_k and spec is not None and len(drafted) == k_now:
-                    k_now = min(self.k_max, k_now + 2) if decision.bonus else max(1, k_now - 1)
+                if choice is not None:
+                    k_now = choice.observe(len(drafted), decision.accepted, t1 - t0, time.perf_counter() - t1)
                 hit = None if stop_ids.isdisjoint(new) else next(i for i, t in enumerate(new) if t in stop_ids)
                 if hit is not None:
                     del ctx.tokens[len(ctx.tokens) - len(new) + hit + 1:]

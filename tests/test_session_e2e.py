@@ -4,10 +4,12 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from rlxrt import Config
 from rlxrt.sessions import DraftModel, PromptLookup, Session
+from rlxrt.speculator import DraftProposal, Speculator
 
 pytestmark = pytest.mark.export
 CFG = Config(intra_op_threads=1, cache=False)
@@ -49,7 +51,37 @@ def test_adaptive_k_is_exact_too(exported, plain_outputs):
     assert s.generate(PROMPT, max_new_tokens=N, ignore_eos=True).token_ids == plain_outputs["llama"]
     s = Session(exported("llama"), DraftModel(exported("llama"), CFG), CFG, k=2, adaptive_k=True, k_max=8)
     g = s.generate(PROMPT, max_new_tokens=N, ignore_eos=True)
-    assert g.token_ids == plain_outputs["llama"] and len(g.stats.drafted_per_position) == 8
+    assert g.token_ids == plain_outputs["llama"] and g.stats.acceptance_rate == 1.0
+    # the draft is the target itself: a drafted token costs a target step, so longer rounds do not pay
+    assert s._k_choice.k <= 2
+
+
+class Knows(Speculator):
+    """Drafts a known continuation (shifted by ``wrong`` to make every draft a miss), at no cost."""
+
+    name = "knows"
+
+    def __init__(self, prompt_len: int, continuation: list[int], wrong: int = 0, vocab: int = 0):
+        self.start, self.ids, self.wrong, self.vocab = prompt_len, continuation, wrong, vocab
+
+    def propose(self, ctx, k):
+        done = len(ctx.tokens) - self.start
+        ids = self.ids[done:done + k]
+        return DraftProposal(np.array([(t + self.wrong) % self.vocab for t in ids] if self.wrong else ids, np.int64))
+
+
+def test_adaptive_k_follows_what_rounds_earn(exported, plain_outputs):
+    """Free drafts that are always right take k to k_max; drafts that are always wrong take it to 1."""
+    target = exported("llama")
+    expected = plain_outputs["llama"]
+    n_prompt = len(Session(target, None, CFG).prompt_ids(PROMPT))
+    right = Session(target, Knows(n_prompt, expected), CFG, k=2, adaptive_k=True, k_max=8)
+    g = right.generate(PROMPT, max_new_tokens=N, ignore_eos=True)
+    assert g.token_ids == expected and g.stats.acceptance_rate == 1.0
+    assert right._k_choice.k == 8 and len(g.stats.drafted_per_position) == 8
+    wrong = Session(target, Knows(n_prompt, expected, 1, right.manifest.vocab_size), CFG, k=4, adaptive_k=True)
+    g = wrong.generate(PROMPT, max_new_tokens=N, ignore_eos=True)
+    assert g.token_ids == expected and g.stats.accepted == 0 and wrong._k_choice.k == 1
 
 
 def test_sampled_same_seed_same_output(exported):

@@ -349,7 +349,8 @@ def add_commands(add, runtime_flags) -> None:
                         "decoding; mtp without --head: the shipped head, for the shipped target; lookup+X: prompt "
                         "lookup where the text repeats itself, else X)")
     p.add_argument("-k", type=int, help="tokens drafted per round, 1..32 (default 4)")
-    p.add_argument("--adaptive-k", action="store_true", help="grow k after full acceptance, shrink after rejection")
+    p.add_argument("--adaptive-k", action="store_true",
+                   help="pick each round's k (1..2k) for the most tokens a second, from the rounds so far")
     p.add_argument("--min-draft-prob", type=float, default=0.0, metavar="P",
                    help="a draft model's or head's chain ends where its likeliest token is below P (its first token is "
                         "always drafted; exact either way); 0 (default): k tokens every round")
