@@ -122,6 +122,9 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
                   for p in probs_ for k in ks]
         specs += [Spec(f"lookup+{tag} k={k}{suffix(p)}", lambda g=head_graph, p=p: build("lookup+mtp", g, None, p), k=k)
                   for p in probs_ for k in ks]
+        specs += [Spec(f"{tag} adaptive", lambda g=head_graph: MtpHead(g), k=max(ks) // 2 or 1, adaptive=True),
+                  Spec(f"lookup+{tag} adaptive", lambda g=head_graph: build("lookup+mtp", g, None), k=max(ks) // 2 or 1,
+                       adaptive=True)]
     specs.append(Spec("prompt lookup k=4", lambda: PromptLookup(), k=4))
     sessions = {s.name: Session(target_graph, s.make(), k=s.k, adaptive_k=s.adaptive, k_max=min(max(ks) + 2, K_MAX))
                 for s in specs}
