@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -84,6 +85,11 @@ class Speculator:
     """Short name for stats and the CLI (``draft-model``, ``prompt-lookup``)."""
     default_k: int = 4
     """Tokens to propose per round unless the session says otherwise."""
+    drafters: int = 1
+    """How many draft sources it picks among, round by round (a Cascade: one per source); ``adaptive_k``
+    keeps a k for each."""
+    drafted_by: int = 0
+    """Which of them drafted the last proposal (0 for a single source)."""
     _owner = None
 
     @property
@@ -112,6 +118,10 @@ class Speculator:
         with _ATTACH:
             if self._owner is not None and self._owner() is owner:
                 self._owner = None
+
+    def set_ks(self, ks: Sequence[int]) -> None:
+        """The k of each draft source for the next rounds, from ``adaptive_k``: only a speculator with several
+        sources needs it (the round's k, the largest of them, already caps a single one)."""
 
     def bind(self, target) -> None:
         """Check the target (vocabulary, hidden size …); raise GenerationError on a mismatch."""

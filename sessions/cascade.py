@@ -35,6 +35,8 @@ class Cascade(Speculator):
         self.default_k = max(s.default_k for s in sources) if ks is None else max(self.ks)
         self.proposed_by = [0] * len(sources)
         """Rounds each source drafted, over the speculator's life."""
+        self.drafters = len(sources)
+        self._adaptive: list[int] | None = None  # per-source k from the session's adaptive_k
 
     @property
     def providers(self) -> list[str]:
@@ -74,9 +76,14 @@ class Cascade(Speculator):
         for s in self.sources:
             s.prefill(ctx, record)
 
+    def set_ks(self, ks: Sequence[int]) -> None:
+        self._adaptive = list(ks)
+
     def propose(self, ctx: Context, k: int) -> DraftProposal:
+        adaptive = self._adaptive
         for i, s in enumerate(self.sources):
-            proposal = s.propose(ctx, min(k, self.ks[i]))
+            self.drafted_by = i
+            proposal = s.propose(ctx, min(k, self.ks[i], adaptive[i] if adaptive else K_MAX))
             if len(proposal.tokens):
                 self.proposed_by[i] += 1
                 return proposal

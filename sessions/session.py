@@ -148,8 +148,9 @@ class Session:
         self.k = self._check_k(k if k is not None else speculator.default_k if speculator else 4)
         self.adaptive_k = as_bool(adaptive_k, "adaptive_k")
         self.k_max = self._check_k(k_max if k_max is not None else max(self.k, min(2 * self.k, K_MAX)), "k_max")
-        self._k_choice = KChoice(min(self.k, self.k_max), self.k_max) if self.adaptive_k else None
         self.speculator = speculator
+        self._k_choice = None if not self.adaptive_k or speculator is None else \
+            KChoice(min(self.k, self.k_max), self.k_max, speculator.drafters)
         if speculator is not None:
             speculator.attach(self)
             try:
@@ -340,6 +341,8 @@ class Session:
             greedy = ctx.params.greedy
             choice = self._k_choice if spec is not None else None
             k_now = choice.k if choice is not None else k
+            if choice is not None and spec.drafters > 1:
+                spec.set_ks(choice.ks)
             feed_buf = np.empty(K_MAX + 1, np.int64)  # the pending token and the drafts of a round
             while True:
                 generated = len(ctx.tokens) - prompt_len
@@ -372,7 +375,9 @@ class Session:
                 stats.draft_seconds += t1 - t0
                 stats.target_seconds += t2 - t1
                 if choice is not None:
-                    k_now = choice.observe(len(drafted), decision.accepted, t1 - t0, time.perf_counter() - t1)
+                    k_now = choice.observe(len(drafted), decision.accepted, time.perf_counter() - t0, spec.drafted_by)
+                    if spec.drafters > 1:
+                        spec.set_ks(choice.ks)
                 hit = None if stop_ids.isdisjoint(new) else next(i for i, t in enumerate(new) if t in stop_ids)
                 if hit is not None:
                     del ctx.tokens[len(ctx.tokens) - len(new) + hit + 1:]

@@ -4,40 +4,58 @@ from rlxrt.sessions.k_choice import KChoice
 MS = 1e-3
 
 
-def feed(choice, rounds, accept, draft_ms, verify_ms):
-    """Rounds drafting the current k; ``accept(k)`` how many are accepted, ``verify_ms(rows)`` a verify."""
+def feed(choice, rounds, accept, round_ms, source=0):
+    """Rounds drafting the current k; ``accept(k)`` how many are accepted, ``round_ms(k)`` what it costs."""
     for _ in range(rounds):
-        k = choice.k
-        choice.observe(k, accept(k), k * draft_ms * MS, verify_ms(k + 1) * MS)
-    return choice.k
+        k = choice.ks[source]
+        choice.observe(k, accept(k), round_ms(k) * MS, source)
+    return choice.ks[source]
 
 
-def test_all_accepted_free_drafts_and_flat_verify_go_to_k_max():
-    assert feed(KChoice(2, 8), 100, lambda k: k, 0.0, lambda r: 10.0) == 8
+def test_all_accepted_and_flat_costs_go_to_k_max():
+    assert feed(KChoice(2, 8), 100, lambda k: k, lambda k: 10.0) == 8
 
 
 def test_nothing_accepted_goes_to_one():
-    assert feed(KChoice(4, 8), 100, lambda k: 0, 0.1, lambda r: 10.0) == 1
+    assert feed(KChoice(4, 8), 100, lambda k: 0, lambda k: 10.0 + k) == 1
 
 
-def test_rows_that_cost_more_keep_k_small():
-    """Half of each position accepted: cheap rows make k=4 pay, rows at 40 % of a step each do not."""
+def test_tokens_that_cost_more_keep_k_small():
+    """Every other round all accepted: cheap tokens make a long k pay, tokens at 40 % of a round do not."""
     half = [1, 0]
 
-    def accept(k):  # alternate: all k accepted, then none
+    def accept(k):
         half.reverse()
         return k if half[0] else 0
 
-    flat = feed(KChoice(2, 8), 200, accept, 0.0, lambda r: 10.0 * (1 + 0.01 * (r - 1)))
-    steep = feed(KChoice(2, 8), 200, accept, 0.0, lambda r: 10.0 * (1 + 0.4 * (r - 1)))
+    flat = feed(KChoice(2, 8), 200, accept, lambda k: 10.0 * (1 + 0.01 * k))
+    steep = feed(KChoice(2, 8), 200, accept, lambda k: 10.0 * (1 + 0.4 * k))
     assert flat > steep and steep == 1
 
 
-def test_an_unmeasured_row_count_is_extrapolated_and_interpolated():
+def test_a_fixed_cost_per_round_is_not_taken_for_a_cost_per_token():
+    """Rounds cost 10 ms plus 1 ms a token; half of the positions are accepted. Seen at k=2 and k=1 only,
+    the line through them predicts k=4 right (not 2 x k=2's cost, which would keep k at 2)."""
     c = KChoice(2, 8)
-    assert c.verify_cost(3) is None
-    c.observe(2, 2, 0.0, 10 * MS)  # 3 rows
-    assert abs(c.verify_cost(5) - 10 * MS * (1 + 0.05 * 2)) < 1e-12  # one call seen: 5 % a row
-    c.observe(6, 6, 0.0, 14 * MS)  # 7 rows
-    assert abs(c.verify_cost(5) - 12 * MS) < 1e-12  # between two
-    assert abs(c.verify_cost(9) - 16 * MS) < 1e-12  # along the last two: 1 ms a row
+    for _ in range(20):
+        c.observe(2, 1, 12 * MS)
+        c.observe(1, 0, 11 * MS)
+    assert abs(c.round_cost(4) - 14 * MS) < 1e-9
+
+
+def test_an_unmeasured_k_is_extrapolated_and_interpolated():
+    c = KChoice(2, 8)
+    assert c.round_cost(3) is None
+    c.observe(2, 2, 10 * MS)
+    assert abs(c.round_cost(4) - 10 * MS * (1 + 0.05 * 2)) < 1e-12  # one k seen: 5 % a token
+    c.observe(6, 6, 14 * MS)
+    assert abs(c.round_cost(4) - 12 * MS) < 1e-12  # between two
+    assert abs(c.round_cost(8) - 16 * MS) < 1e-12  # along the last two: 1 ms a token
+
+
+def test_each_source_gets_its_own_k():
+    c = KChoice(2, 8, sources=2)
+    for _ in range(200):
+        c.observe(c.ks[0], c.ks[0], 10 * MS, source=0)  # always right, flat cost
+        c.observe(c.ks[1], 0, (10 + c.ks[1]) * MS, source=1)  # never right, 1 ms a token
+    assert c.ks == [8, 1] and c.k == 8
