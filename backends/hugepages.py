@@ -113,8 +113,11 @@ class HugePages:
             for start, end in runs(self._chunks):
                 if self._libc.madvise(start, end - start, MADV_COLLAPSE) == 0:
                     done += end - start
-                else:
-                    refused = ctypes.get_errno()
+                    continue
+                refused = ctypes.get_errno()
+                for chunk in range(start, end, CHUNK):  # one chunk that cannot be had must not cost the run
+                    if end - start > CHUNK and self._libc.madvise(chunk, CHUNK, MADV_COLLAPSE) == 0:
+                        done += CHUNK
         except Exception as exc:  # a background thread must not die loudly over an optimisation
             refused = repr(exc)
         self.mib = done >> 20

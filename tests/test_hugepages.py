@@ -1,7 +1,7 @@
 """Huge pages for a CPU session's weights: the pure parts with a fake libc, then the real kernel on the
 shipped target (whichever way this kernel answers, the state must say so truthfully)."""
 import ctypes
-import mmap
+import platform
 import sys
 
 
@@ -39,6 +39,22 @@ def test_a_refusing_kernel_is_a_state_not_an_error():
     assert pages.mib == 0
 
 
+class RefusesOneChunk(FakeLibc):
+    def madvise(self, start, length, advice):
+        self.calls.append((start, length, advice))
+        if start <= 11 * CHUNK < start + length:
+            ctypes.set_errno(11)
+            return -1
+        return 0
+
+
+def test_a_refused_chunk_does_not_cost_the_rest_of_its_run():
+    libc = RefusesOneChunk(0)
+    pages = HugePages("collapsing", frozenset({10 * CHUNK, 11 * CHUNK, 12 * CHUNK}), libc).start()
+    assert pages.wait(10) == "on: 4 MiB"
+    assert libc.calls[0] == (10 * CHUNK, 3 * CHUNK, MADV_COLLAPSE) and len(libc.calls) == 4
+
+
 def test_without_mincore_nothing_is_tried():
     assert collapse_new(None).state == "off: needs Linux (mincore, madvise)"
 
@@ -56,18 +72,17 @@ def test_config_turns_it_off(monkeypatch):
 
 
 def _kernel_collapses() -> bool:
-    """Ask the kernel directly, on a region of our own, whether it collapses anonymous memory."""
+    """Linux 6.1+ with transparent huge pages not turned off: MADV_COLLAPSE must work there."""
     if not sys.platform.startswith("linux"):
         return False
-    region = mmap.mmap(-1, 3 * CHUNK)
-    region.write(b"\x01" * (3 * CHUNK))  # resident
-    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
-    start = (base + CHUNK - 1) & ~(CHUNK - 1)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    ok = libc.madvise(start, CHUNK, MADV_COLLAPSE) == 0
-    region.close()
-    return ok
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as fh:
+            if "[never]" in fh.read():
+                return False
+    except OSError:
+        return False
+    major, minor = (int(x) for x in platform.release().split(".")[:2])
+    return (major, minor) >= (6, 1)
 
 
 def _anon_huge_kib() -> int:
@@ -91,7 +106,8 @@ def test_the_weights_move_onto_huge_pages_and_decoding_is_unchanged():
     if _kernel_collapses():
         weights = sum(f.stat().st_size for f in target.glob("*.data"))
         assert state.startswith("on: "), state
-        assert graph.huge_pages.mib * MIB >= weights // 2  # the packed weights, not a stray chunk
+        # the packed weights (a chunk may be refused where memory is fragmented, not half of them)
+        assert graph.huge_pages.mib * MIB >= weights // 2
         assert _anon_huge_kib() * 1024 >= graph.huge_pages.mib * MIB
     else:
         assert state.startswith("off: the kernel refused") or state == "off: needs Linux (mincore, madvise)"
