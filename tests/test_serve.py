@@ -83,6 +83,26 @@ def test_min_draft_prob_serves_plain_greedy_with_shorter_chains():
         server.stop()
 
 
+def test_adaptive_k_serves_plain_greedy():
+    """`serve --draft D --adaptive-k`: every worker's Session picks its own k, and the replies, in parallel,
+    equal plain greedy decoding."""
+    server = Running(options(TARGET, "draft", DRAFT, k=2, adaptive_k=True))
+    try:
+        assert all(s.adaptive_k and s._k_choice is not None for s in server.server.pool.sessions)
+        c, plain = server.client(), Session(TARGET, None, CPU)
+        replies: dict = {}
+        threads = [threading.Thread(target=lambda p=p: replies.__setitem__(
+            p, c.completions.create(model="m", prompt=p, max_tokens=60, temperature=0).choices[0].text))
+            for p in PROMPTS[:4]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert replies == {p: plain.generate(p, max_new_tokens=60).text for p in PROMPTS[:4]}
+    finally:
+        server.stop()
+
+
 def test_chat_and_streaming(spec, direct):
     c = spec.client()
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]

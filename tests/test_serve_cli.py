@@ -56,6 +56,7 @@ def _client(port: int):
     (["--target", "t", "--speculator", "prompt-lookup", "--draft", "d"], "drop --draft"),
     (["--min-draft-prob", "1.5"], "--min-draft-prob must be in [0, 1), got 1.5"),
     (["--speculator", "prompt-lookup", "--min-draft-prob", "0.3"], "needs a draft model or head"),
+    (["--target", "t", "--adaptive-k"], "--adaptive-k needs a speculator"),
 ])
 def test_serve_usage_errors(flags, words, capsys):
     from rlxrt.app.cli import main
@@ -95,12 +96,13 @@ def test_ray_app_builder_for_serve_run():
     pytest.importorskip("ray")
     from rlxrt.app.serve.ray_app import build
 
-    app = build({"workers": "2", "replicas": "3", "threads": "1", "k": "3", "min_draft_prob": "0.3"})
+    app = build({"workers": "2", "replicas": "3", "threads": "1", "k": "3", "min_draft_prob": "0.3",
+                 "adaptive_k": "true"})
     d = app._bound_deployment
     assert d.num_replicas == 3
     opts = d.init_args[0]
     assert (opts.workers, opts.k, opts.speculator, opts.config.intra_op_threads) == (2, 3, "draft", 1)
-    assert opts.min_prob == 0.3
+    assert opts.min_prob == 0.3 and opts.adaptive_k is True
     assert opts.target.endswith("target") and opts.draft.endswith("draft")
     assert build({"target": str(TARGET)})._bound_deployment.init_args[0].speculator == "none"
     with pytest.raises(ValueError, match="wibble"):

@@ -45,6 +45,8 @@ def model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-draft-prob", type=float, default=0.0, metavar="P",
                    help="a draft model's or head's chain ends where its likeliest token is below P (exact either "
                         "way); 0 (default): k tokens every round")
+    p.add_argument("--adaptive-k", action="store_true",
+                   help="each worker picks every round's k (1..2k) for the most tokens a second, from its rounds so far")
 
 
 def options_from(args: argparse.Namespace, workers: int, config):
@@ -81,7 +83,8 @@ def options_from(args: argparse.Namespace, workers: int, config):
     name = args.model_name or ("rlxrt-reference" if args.target is None else None)
     k = args.k if args.k is not None else SERVE_MODEL_K if model_of(speculator) else None
     return ServeOptions(target=target, speculator=speculator, draft=helper, k=k, config=config,
-                        min_prob=args.min_draft_prob, workers=workers, max_queue=args.max_queue,
+                        min_prob=args.min_draft_prob, adaptive_k=args.adaptive_k, workers=workers,
+                        max_queue=args.max_queue,
                         request_timeout=args.request_timeout, model_name=name)
 
 

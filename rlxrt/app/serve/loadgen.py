@@ -178,6 +178,8 @@ def _server_flags(args: argparse.Namespace, k: int | None) -> tuple[list[str], l
     spec += ["--speculator", name] + (["-k", str(k)] if k else [])
     if args.min_draft_prob:
         spec += ["--min-draft-prob", str(args.min_draft_prob)]
+    if args.adaptive_k:
+        spec += ["--adaptive-k"]
     return base + model + ["--speculator", "none"], base + spec, name
 
 

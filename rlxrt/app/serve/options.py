@@ -30,6 +30,8 @@ class ServeOptions:
     config: Config = Config()
     min_prob: float = 0.0
     """A draft model's or head's chain ends where its likeliest token is below this (0: k tokens a round)."""
+    adaptive_k: bool = False
+    """Each worker's Session picks every round's k in 1..2k from what its rounds cost and earn."""
     workers: int = 1
     """Sessions (and worker threads) of one server or replica."""
     max_queue: int = 64
@@ -49,6 +51,9 @@ class ServeOptions:
             raise UsageError(f"--min-draft-prob must be in [0, 1), got {self.min_prob}")
         if self.min_prob and not model:
             raise UsageError(f"--min-draft-prob needs a draft model or head; speculator {self.speculator} runs neither")
+        if self.adaptive_k and self.speculator == "none":
+            raise UsageError("--adaptive-k needs a speculator (--draft, --head or --speculator prompt-lookup); plain "
+                             "decoding drafts nothing")
         if not 1 <= self.workers <= 256:
             raise UsageError(f"--workers must be in 1..256, got {self.workers}")
         if not 0 <= self.max_queue <= 1_000_000:
@@ -81,7 +86,8 @@ def make_server(opts: ServeOptions):
     helper = compile(opts.draft, config) if model_of(opts.speculator) else None
 
     def make_session():
-        return Session(target, build(opts.speculator, helper, config, opts.min_prob), config, k=opts.k)
+        return Session(target, build(opts.speculator, helper, config, opts.min_prob), config, k=opts.k,
+                       adaptive_k=opts.adaptive_k)
 
     holder = {}
     metrics = Metrics(opts.name, lambda: holder["pool"])

@@ -44,7 +44,7 @@ def build(args: dict[str, Any]):
     from .options import SERVE_MODEL_K, default_threads
 
     known = {"target", "draft", "speculator", "k", "workers", "replicas", "threads", "max_queue", "request_timeout",
-             "model_name", "providers", "min_draft_prob"}
+             "model_name", "providers", "min_draft_prob", "adaptive_k"}
     unknown = set(args) - known
     if unknown:
         raise ValueError(f"unknown argument(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
@@ -55,7 +55,9 @@ def build(args: dict[str, Any]):
                          intra_op_threads=int(args.get("threads", default_threads(workers))))
     k = int(args["k"]) if "k" in args else SERVE_MODEL_K if model_of(speculator) else None
     opts = ServeOptions(target=str(target), speculator=speculator, draft=draft, k=k, config=config,
-                        min_prob=float(args.get("min_draft_prob", 0.0)), workers=workers,
+                        min_prob=float(args.get("min_draft_prob", 0.0)),
+                        adaptive_k=str(args.get("adaptive_k", "false")).strip().lower() in ("1", "true", "yes", "on"),
+                        workers=workers,
                         max_queue=int(args.get("max_queue", 64)),
                         request_timeout=float(args.get("request_timeout", 600)), model_name=args.get("model_name"))
     return deployment(opts, int(args.get("replicas", 1)))
