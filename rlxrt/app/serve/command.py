@@ -46,7 +46,8 @@ def model_flags(p: argparse.ArgumentParser) -> None:
                    help="a draft model's or head's chain ends where its likeliest token is below P (exact either "
                         "way); 0 (default): k tokens every round")
     p.add_argument("--adaptive-k", action="store_true",
-                   help="each worker picks every round's k (1..2k) for the most tokens a second, from its rounds so far")
+                   help="each worker picks every round's k (1..2k) for the most tokens a second, from its rounds "
+                        "so far")
 
 
 def options_from(args: argparse.Namespace, workers: int, config):
