@@ -164,8 +164,10 @@ def _measure(results: list[Result], wall: float) -> dict[str, float]:
 
 
 # -- the command ------------------------------------------------------------------------------------------------
-def _server_flags(args: argparse.Namespace, k: int | None) -> tuple[list[str], list[str], str]:
-    """(plain flags, speculative flags, speculator name) for draft length ``k``."""
+def _server_flags(args: argparse.Namespace, k: int | None,
+                  adaptive: bool | None = None) -> tuple[list[str], list[str], str]:
+    """(plain flags, speculative flags, speculator name) for draft length ``k`` (the start of an adaptive k
+    when ``adaptive``, default ``--adaptive-k``)."""
     base = ["--workers", str(args.workers), "--threads", str(args.threads), "--max-queue", "1024",
             "--model-name", "m", "--log-level", "error"]
     model = ["--target", args.target] if args.target else []
@@ -178,7 +180,7 @@ def _server_flags(args: argparse.Namespace, k: int | None) -> tuple[list[str], l
     spec += ["--speculator", name] + (["-k", str(k)] if k else [])
     if args.min_draft_prob:
         spec += ["--min-draft-prob", str(args.min_draft_prob)]
-    if args.adaptive_k:
+    if args.adaptive_k if adaptive is None else adaptive:
         spec += ["--adaptive-k"]
     return base + model + ["--speculator", "none"], base + spec, name
 
@@ -228,9 +230,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     servers = {}
     try:
         servers["plain"] = ServerProcess(plain_flags, "plain")
-        for k in ks:
+        for k in ks:  # with --adaptive-k, an adaptive server beside each fixed one
             label = f"{name} k={k or (2 if name in ('draft', 'mtp') else 4)}"
-            servers[label] = ServerProcess(_server_flags(args, k)[1], label)
+            servers[label] = ServerProcess(_server_flags(args, k, adaptive=False)[1], label)
+            if args.adaptive_k:
+                servers[f"{label} adaptive"] = ServerProcess(_server_flags(args, k, adaptive=True)[1],
+                                                             f"{label} adaptive")
         for s in servers.values():
             s.wait_ready()
         runs: dict[str, dict[int, list[dict]]] = {k: {c: [] for c in levels} for k in servers}
@@ -242,7 +247,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                 for label, s in order:
                     results, wall = asyncio.run(run_batch(s.url, _bodies(prompts, args.requests, args.max_tokens), c))
                     runs[label][c].append(_measure(results, wall))
-                    print(f"  repeat {rep + 1}/{args.repeats} concurrency {c:>2} {label:<14} "
+                    print(f"  repeat {rep + 1}/{args.repeats} concurrency {c:>2} {label:<18} "
                           f"{runs[label][c][-1]['tokens_per_second']:8.1f} tok/s", file=sys.stderr)
     finally:
         for s in servers.values():
@@ -269,7 +274,7 @@ def _report(args, levels, runs, name, ks) -> dict[str, Any]:
     return {"config": {"workers": args.workers, "threads_per_worker": args.threads, "requests": args.requests,
                        "max_tokens": args.max_tokens, "repeats": args.repeats, "cpu_count": os.cpu_count(),
                        "target": args.target or "shipped reference target", "speculator": name,
-                       "ks": [k or (2 if model_of(name) else 4) for k in ks]},
+                       "ks": [k or (2 if model_of(name) else 4) for k in ks], "adaptive_k": args.adaptive_k},
             "rows": rows, "note": "medians over interleaved repeats; tokens/s is all clients' tokens over wall time"}
 
 
