@@ -53,6 +53,7 @@ def test_compile_json_miss_then_hit(mlp, tmp_path):
     b = json.loads(rlxrt("compile", str(mlp), "--json", env_extra=env).stdout)
     assert (a["cache"], b["cache"]) == ("miss", "hit")
     assert a["providers"][0] == "cpu" and a["inputs"][0]["name"] == "x" and a["load_seconds"] > 0
+    assert a["huge_pages"].startswith(("on: ", "off: "))  # waited for: never "collapsing"
 
 
 def test_inspect_json(mlp):

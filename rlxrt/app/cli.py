@@ -68,11 +68,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from rlxrt.backends import compile
 
     graph = compile(args.model, _config(args))
+    graph.huge_pages.wait()  # a one-shot command: report where the weights ended up
     if args.json:
         _print_json(graph.to_dict())
     else:
         print(f"{graph.path}: providers {', '.join(graph.providers)}; cache {graph.cache}; "
-              f"loaded in {graph.load_seconds:.3f} s")
+              f"loaded in {graph.load_seconds:.3f} s; huge pages {graph.huge_pages.state}")
         for f in graph.fallbacks:
             print(f"  fallback: {f}")
     return 0
