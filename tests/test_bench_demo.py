@@ -30,7 +30,8 @@ def test_bench_on_a_tiny_random_pair_writes_json_and_png(exported, tmp_path):
     assert rows["plain"]["speedup"] == 1.0 and rows["draft k=2"]["tokens_per_s"] > 0
     assert 0 <= rows["draft k=2"]["acceptance_rate"] <= 1 and "efficiency" in rows["draft k=2"]
     assert set(rows["draft k=1"]["time_split"]) == {"draft", "target", "other"}
-    assert {"target_1", "draft_1", "target_2", "target_3"} <= set(data["step_times_s"])
+    assert {"target_1", "draft_1", "target_2", "target_3", "draft_round"} <= set(data["step_times_s"])
+    assert data["step_times_s"]["draft_round"] > 0
     png = (tmp_path / "b" / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert "temperature 0.7" in r.stdout and "hf assisted" in r.stdout
