@@ -124,7 +124,8 @@ class Session:
     ``DraftModel(dir)`` or ``PromptLookup()`` and belongs to this Session alone;
     ``k`` is the number of tokens drafted per round (default: the speculator's);
     ``adaptive_k`` picks each round's k in 1..k_max from what this Session's rounds have cost and earned
-    (the k with the most expected tokens per second; see ``sessions/k_choice.py``), starting from ``k``.
+    (the k with the most expected tokens per second; see ``sessions/k_choice.py``), starting from ``k``;
+    a request's own ``k`` then caps its rounds.
     """
 
     def __init__(self, target: str | os.PathLike | CompiledGraph, speculator: Speculator | None = None,
@@ -216,7 +217,8 @@ class Session:
         if len(extra) > MAX_STOP_TOKEN_IDS:
             raise GenerationError(f"stop_token_ids holds {len(extra)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
         stop_ids |= set(self._check_ids(extra, "stop_token_ids"))
-        k = self._check_k(k) if k is not None else self.k
+        # with adaptive_k a request's own k caps its rounds; otherwise it is their length
+        k = self._check_k(k) if k is not None else self.k if self._k_choice is None else K_MAX
         ctx = Context(tokens=list(prompt_ids), params=params, rng=make_rng(seed))
         result = _Result(prompt_ids)
         return Stream(self._run(result, ctx, max_new, k, stops, stop_ids), result, self._turns)
@@ -340,7 +342,7 @@ class Session:
             run0 = target.run_seconds + (spec.run_seconds if spec else 0.0)  # decode only, like decode_seconds
             greedy = ctx.params.greedy
             choice = self._k_choice if spec is not None else None
-            k_now = choice.k if choice is not None else k
+            k_now = min(choice.k, k) if choice is not None else k
             if choice is not None and spec.drafters > 1:
                 spec.set_ks(choice.ks)
             feed_buf = np.empty(K_MAX + 1, np.int64)  # the pending token and the drafts of a round
@@ -375,7 +377,8 @@ class Session:
                 stats.draft_seconds += t1 - t0
                 stats.target_seconds += t2 - t1
                 if choice is not None:
-                    k_now = choice.observe(len(drafted), decision.accepted, time.perf_counter() - t0, spec.drafted_by)
+                    k_now = min(k, choice.observe(len(drafted), decision.accepted, time.perf_counter() - t0,
+                                                  spec.drafted_by))
                     if spec.drafters > 1:
                         spec.set_ks(choice.ks)
                 hit = None if stop_ids.isdisjoint(new) else next(i for i, t in enumerate(new) if t in stop_ids)

@@ -89,6 +89,8 @@ def test_adaptive_k_follows_what_rounds_earn(exported, plain_outputs):
     assert g.token_ids == expected and g.stats.acceptance_rate == 1.0
     # timing noise on a tiny model may cost the last step or two to k_max, not more
     assert right._k_choice.k >= 5 and len(g.stats.drafted_per_position) >= 6
+    capped = right.generate(PROMPT, max_new_tokens=N, ignore_eos=True, k=3)  # a request's k caps its rounds
+    assert capped.token_ids == expected and len(capped.stats.drafted_per_position) == 3
     wrong = Session(target, SlowlyWrong(n_prompt, expected, 1, right.manifest.vocab_size), CFG, k=4, adaptive_k=True)
     g = wrong.generate(PROMPT, max_new_tokens=N, ignore_eos=True)
     assert g.token_ids == expected and g.stats.accepted == 0 and wrong._k_choice.k == 1
