@@ -103,7 +103,7 @@ class Spec:
     """The numbers of a Llama-style config.json the graph needs."""
 
     def __init__(self, config: dict, capacity: int | None, quantize: str | None = None, dtype: str = "float32",
-                 int4_compute: str = "fp32"):
+                 int4_compute: str = "fp32", greedy_head: bool | None = None):
         why_not = unsupported(config)
         if why_not:
             raise ExportError(f"{why_not}; export with --graph portable")
@@ -136,6 +136,12 @@ class Spec:
         self.quantization = (INT4_INT8 if int4_compute == "int8" else INT4) if self.int4 else None
         self.dtype = dtype
         """What the graph computes in and keeps its cache in; logits and hidden states leave it as float32."""
+        plain_fp32 = dtype == "float32" and not self.int4
+        if greedy_head and not plain_fp32:
+            raise ExportError("the greedy head (next_ids) is built for float32 graphs without int4; drop "
+                              "--greedy-head or export float32")
+        self.greedy_head = plain_fp32 if greedy_head is None else bool(greedy_head)
+        """Input ``greedy`` and output ``next_ids``: the exact argmax through int8 candidates (greedy_head.py)."""
 
     def _window(self, c: dict, i: int) -> int:
         """transformers' sliding window of layer i: mistral on every layer (4096 when unset); qwen2 only when
@@ -302,6 +308,13 @@ class Builder(Nodes):
             return self.matmul(rows, w, "logits")
         last = "logits" if s.dtype == "float32" else "logits.compute"
         flat = self.node("Reshape", [rows, self.const("flat", [-1, s.hidden])], "rows2d")
+        if s.greedy_head:
+            from .greedy_head import add
+
+            table = "embed.weight" if s.tied else self.weight("lm_head.rows", self.take("lm_head.weight"))
+            out, ids = add(self, flat, table)
+            self.node("Unsqueeze", [ids, self.const("axis0", [0])], "next_ids")
+            return self.node("Unsqueeze", [out, self.const("axis0", [0])], "logits")
         if s.tied:
             out = self.node("Gemm", [flat, "embed.weight"], "logits2d", transB=1)
         else:
@@ -343,6 +356,9 @@ class Builder(Nodes):
                   h.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
                   h.make_tensor_value_info("num_logits", TensorProto.INT64, [1])]
         outputs = [h.make_tensor_value_info(logits, TensorProto.FLOAT, [1, "rows", s.vocab])]
+        if s.greedy_head:
+            inputs.append(h.make_tensor_value_info("greedy", TensorProto.BOOL, [1]))
+            outputs.append(h.make_tensor_value_info("next_ids", TensorProto.INT64, [1, "id_rows"]))
         for i in range(s.layers):
             pk, pv, ck, cv = (n.format(i=i) for n in PAST)
             inputs += [h.make_tensor_value_info(n, kv_type, cache) for n in (pk, pv)]
@@ -356,22 +372,24 @@ class Builder(Nodes):
 
 def fused_layout(spec: Spec, with_hidden: bool) -> dict:
     """The manifest fields of a fused graph."""
+    greedy = "greedy" if spec.greedy_head else None
     return {"dtype": "int4" if spec.int4 else spec.dtype,
             "quantization": dict(spec.quantization) if spec.quantization else None,
-            "inputs": dict(INPUTS), "kv_cache": spec.kv_layout(), "state": None,
-            "outputs": {"logits": "logits", "hidden_states": "hidden_states" if with_hidden else None},
+            "inputs": {**INPUTS, "greedy": greedy}, "kv_cache": spec.kv_layout(), "state": None,
+            "outputs": {"logits": "logits", "hidden_states": "hidden_states" if with_hidden else None,
+                        "next_ids": "next_ids" if greedy else None},
             "max_positions": spec.capacity, "graph_kind": "fused"}
 
 
 def build_graph(config: dict, weights: dict[str, np.ndarray], path: Path, *, capacity: int | None = None,
                 with_hidden: bool = False, quantize: str | None = None, dtype: str = "float32",
-                int4_compute: str = "fp32") -> Spec:
+                int4_compute: str = "fp32", greedy_head: bool | None = None) -> Spec:
     """Write the fused graph of ``config``/``weights`` to ``path`` (weights in ``path.name + '.data'``);
     ``quantize="int4"`` stores the MatMul weights as int4 blocks (``INT4``; ``int4_compute="int8"``:
     ``INT4_INT8``)."""
     import onnx
 
-    spec = Spec(config, capacity, quantize, dtype, int4_compute)
+    spec = Spec(config, capacity, quantize, dtype, int4_compute, greedy_head)
     model = Builder(spec, weights).build(with_hidden)
     onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
               location=path.name + ".data", size_threshold=1024)

@@ -27,7 +27,8 @@ def reference_logits(torch, model, vocab_size: int, prompt_len: int = 8, step_le
     return ids, logits
 
 
-def feeds_for(manifest: Manifest, ids: np.ndarray, past: list[np.ndarray] | None, past_len: int) -> dict:
+def feeds_for(manifest: Manifest, ids: np.ndarray, past: list[np.ndarray] | None, past_len: int,
+              greedy: bool = False) -> dict:
     kv = manifest.kv_cache
     s = ids.shape[1]
     feeds = {manifest.inputs["input_ids"]: ids}
@@ -39,6 +40,8 @@ def feeds_for(manifest: Manifest, ids: np.ndarray, past: list[np.ndarray] | None
         feeds[manifest.inputs["seqlens_k"]] = np.array([past_len + s - 1], np.int32)
         feeds[manifest.inputs["total_sequence_length"]] = np.array(past_len + s, np.int32)
         feeds[manifest.inputs["num_logits"]] = np.array([s], np.int64)
+        if manifest.inputs.get("greedy"):
+            feeds[manifest.inputs["greedy"]] = np.array([greedy])
     if kv is not None:
         for i in range(kv.layers):
             pk, pv, _, _ = kv.names(i)
@@ -66,7 +69,14 @@ def validate(run: Callable[[dict], dict], manifest: Manifest, ids: np.ndarray, r
             past += [out[ck], out[cv]]
     out = run(feeds_for(manifest, ids[:, prompt_len:], past, prompt_len))
     step = out[logits_name].astype(np.float32)
-    return compare(prefill, step, ref, tolerance, **(extra(first, out) if extra else {}))
+    record = compare(prefill, step, ref, tolerance, **(extra(first, out) if extra else {}))
+    if manifest.inputs.get("greedy"):  # the greedy head must pick the argmax of the graph's own logits
+        got = [run(feeds_for(manifest, ids[:, :prompt_len], None, 0, True)),
+               run(feeds_for(manifest, ids[:, prompt_len:], past, prompt_len, True))]
+        picked = np.concatenate([g[manifest.outputs["next_ids"]] for g in got], axis=1)
+        wrong = int((picked != np.concatenate([prefill, step], 1).argmax(-1)).sum())
+        record.update(greedy_ids_wrong=wrong, passed=record["passed"] and wrong == 0)
+    return record
 
 
 def compare(prefill: np.ndarray, step: np.ndarray, ref: np.ndarray, tolerance: float, **extra_diffs: float) -> dict:

@@ -42,9 +42,10 @@ class DraftProposal:
 
 @dataclass
 class VerifyResult:
-    logits: np.ndarray
+    logits: np.ndarray | None
     """[k+1, V] float32: the target's logits after context + proposed[:i]. Valid during this round only: a
-    fused target hands out its own buffer, overwritten by its next call (copy what you keep)."""
+    fused target hands out its own buffer, overwritten by its next call (copy what you keep). None in a
+    greedy round over a graph with a greedy head, which returns only the argmax (``greedy_ids``)."""
     probs: np.ndarray | None = None
     """[k+1, V] float64: the transformed distribution (None when greedy: only the argmax is needed)."""
     hidden: np.ndarray | None = None

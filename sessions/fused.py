@@ -78,6 +78,14 @@ class FusedKVModel(GraphModel):
         self._hidden_name: str | None = None
         self._run_binding = graph.session.run_with_iobinding
         self.output_names = [self._logits]
+        self.greedy_ids = bool(m.inputs.get("greedy") and m.outputs.get("next_ids"))
+        if self.greedy_ids:  # the unused output of each mode is bound to an empty array, made once
+            self._greedy, self._next_name = np.zeros(1, bool), m.outputs["next_ids"]
+            self._next_buf, self._next = np.zeros((1, K_MAX + 1), np.int64), {}
+            self._no_logits = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, 0, m.vocab_size), np.float32))
+            self._no_ids = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, 0), np.int64))
+            self._buffers.append(ort.OrtValue.ortvalue_from_numpy(self._greedy))
+            self._binding.bind_ortvalue_input(m.inputs["greedy"], self._buffers[-1])
         self.reset()
 
     def _buffer(self, cache: dict, n: int, shape: tuple, dtype, base: np.ndarray | None = None):
@@ -105,7 +113,12 @@ class FusedKVModel(GraphModel):
         self._bound = None
         return size
 
-    def forward(self, tokens, rows: int | None = None) -> np.ndarray:
+    def forward_ids(self, tokens, rows: int | None = None) -> np.ndarray:
+        """As ``forward``, but returns the argmax of each row's logits [rows] int64 from the graph's greedy
+        head (``greedy_ids``) without computing the logits; -1 marks a row whose hidden state is not finite."""
+        return self.forward(tokens, rows, greedy=True)
+
+    def forward(self, tokens, rows: int | None = None, greedy: bool = False) -> np.ndarray:
         """Feed ``tokens`` after the first ``length`` positions; returns the logits of the last ``rows``
         of them (default: all) as [rows, V]. The array (and ``hidden``) is this model's buffer: valid until
         its next call."""
@@ -117,7 +130,10 @@ class FusedKVModel(GraphModel):
         n = s if rows is None else min(rows, s)
         ids, ids_value = self._buffer(self._ids, s, (1, s), np.int64, self._ids_buf)
         ids[0] = tokens
-        logits, logits_value = self._buffer(self._out, n, (1, n, self._vocab), np.float32, self._logits_buf)
+        if greedy:
+            logits, logits_value = self._buffer(self._next, n, (1, n), np.int64, self._next_buf)
+        else:
+            logits, logits_value = self._buffer(self._out, n, (1, n, self._vocab), np.float32, self._logits_buf)
         hidden = None
         if self._hidden_buf is not None:
             hidden, hidden_value = self._buffer(self._hid, s, (1, s, self._hidden_buf.shape[2]), np.float32,
@@ -126,12 +142,15 @@ class FusedKVModel(GraphModel):
         self._total[()] = end
         self._rows[0] = n
         b = self._binding
-        if self._bound != (s, n) or s > K_MAX + 1:  # a round's shapes repeat: bound once, written in place
+        if self._bound != (s, n, greedy) or s > K_MAX + 1:  # a round's shapes repeat: bound once, written in place
             b.bind_ortvalue_input(self._ids_name, ids_value)
-            b.bind_ortvalue_output(self._logits, logits_value)
+            if self.greedy_ids:
+                self._greedy[0] = greedy
+                b.bind_ortvalue_output(self._next_name, logits_value if greedy else self._no_ids)
+            b.bind_ortvalue_output(self._logits, self._no_logits if greedy else logits_value)
             if hidden is not None:
                 b.bind_ortvalue_output(self._hidden_name, hidden_value)
-            self._bound = (s, n)
+            self._bound = (s, n, greedy)
         self._timed(self._run_binding, b)
         self.length = end
         if hidden is not None:

@@ -17,6 +17,8 @@ from rlxrt.errors import GenerationError, ModelFormatError
 class GraphModel:
     """What the KV and the recurrent-state models share: the graph, its manifest, timed runs."""
 
+    greedy_ids = False
+    """True when the graph has a greedy head: ``forward_ids`` returns each row's argmax without the logits."""
     hidden: np.ndarray | None = None
     """[s, H] last hidden states of the last forward, when fetched (see ``KVModel.fetch_hidden``); a fused
     graph's is its buffer, like its logits: valid until the next forward (copy it to keep it)."""

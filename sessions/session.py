@@ -333,14 +333,15 @@ class Session:
             target.reset()
             if spec is not None:
                 spec.reset()
-            if prompt_len > 1:
-                target.forward(ctx.tokens[:-1], rows=1)  # the prompt's logits are not needed
+            if prompt_len > 1:  # the prompt's logits are not needed
+                (target.forward_ids if target.greedy_ids else target.forward)(ctx.tokens[:-1], rows=1)
                 if spec is not None:
                     spec.prefill(ctx, Prefill(hidden=target.hidden))
             t_decode = time.perf_counter()
             stats.prefill_seconds = t_decode - t_start
             run0 = target.run_seconds + (spec.run_seconds if spec else 0.0)  # decode only, like decode_seconds
             greedy = ctx.params.greedy
+            ids_only = greedy and target.greedy_ids  # the graph's greedy head: argmax ids, no logits
             choice = self._k_choice if spec is not None else None
             k_now = min(choice.k, k) if choice is not None else k
             if choice is not None and spec.drafters > 1:
@@ -360,14 +361,22 @@ class Session:
                 feed = feed_buf[:len(drafted) + 1]
                 feed[0] = ctx.tokens[-1]
                 feed[1:] = drafted
-                logits = target.forward(feed)
-                t2 = time.perf_counter()
-                if greedy:
-                    verify = VerifyResult(logits, hidden=target.hidden)
-                    decision = greedy_accept(_argmax(logits), drafted)
+                if ids_only:  # greedy over a graph with a greedy head: the argmax ids, no logits
+                    top = target.forward_ids(feed)
+                    t2 = time.perf_counter()
+                    if top.min() < 0:
+                        raise GenerationError(NAN)
+                    verify = VerifyResult(None, hidden=target.hidden)
+                    decision = greedy_accept(top, drafted)
                 else:
-                    verify = VerifyResult(logits, probs(logits, ctx.params), target.hidden)
-                    decision = speculative_accept(verify.probs, proposal.probs, drafted, ctx.rng)
+                    logits = target.forward(feed)
+                    t2 = time.perf_counter()
+                    if greedy:
+                        verify = VerifyResult(logits, hidden=target.hidden)
+                        decision = greedy_accept(_argmax(logits), drafted)
+                    else:
+                        verify = VerifyResult(logits, probs(logits, ctx.params), target.hidden)
+                        decision = speculative_accept(verify.probs, proposal.probs, drafted, ctx.rng)
                 new = decision.tokens.tolist()
                 ctx.tokens.extend(new)
                 target.commit(len(ctx.tokens) - 1)
@@ -451,6 +460,8 @@ def _argmax(logits: np.ndarray) -> np.ndarray:
     else:
         bad = np.isnan(logits[_ROWS[:len(top)], top]).any()
     if bad:
-        raise GenerationError("the model produced NaN logits; check the export (e.g. fp16 overflow) or use the "
-                              "fp32 variant")
+        raise GenerationError(NAN)
     return top
+
+
+NAN = "the model produced NaN logits; check the export (e.g. fp16 overflow) or use the fp32 variant"

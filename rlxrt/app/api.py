@@ -8,7 +8,8 @@ from typing import Callable
 def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32", quantize: str | None = None,
            force: bool = False, validate: bool = True, atol: float | None = None,
            report: Callable[[str], None] | None = None, with_hidden_states: bool = False,
-           graph: str | None = None, max_context: int | None = None, int4_compute: str = "fp32"):
+           graph: str | None = None, max_context: int | None = None, int4_compute: str = "fp32",
+           greedy_head: bool | None = None):
     """Export a Hugging Face causal LM (local directory or hub id) to an rlxrt model directory.
 
     Returns ``rlxrt.exporters.ExportResult`` (path, manifest, seconds per step).
@@ -19,7 +20,9 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32
     positions; the default for llama, mistral, qwen2 and qwen3 in fp32, built without torch) or ``portable``
     (optimum's graph). The portable path needs ``pip install 'rlxrt[export]'``. ``int4_compute="int8"``
     (with ``quantize="int4"``) computes with int8 activations: faster plain decoding, but a Session refuses
-    to speculate over such a target (drafts may use it).
+    to speculate over such a target (drafts may use it). ``greedy_head`` (default: on for fp32 fused graphs)
+    adds the exact argmax through int8 candidates that greedy decoding reads instead of the logits
+    (``rlxrt.exporters.greedy_head``); False leaves it out.
     """
     from rlxrt.checks import as_bool, as_float, as_int
     from rlxrt.errors import ExportError
@@ -35,7 +38,8 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32
     return export_model(src, out, runner=runner, dtype=dtype, quantize=quantize, force=force,
                         validate_export=validate, atol=atol, report=report,
                         with_hidden_states=with_hidden_states, graph=graph, max_context=max_context,
-                        int4_compute=int4_compute)
+                        int4_compute=int4_compute,
+                        greedy_head=None if greedy_head is None else as_bool(greedy_head, "greedy_head", ExportError))
 
 
 def runner(graph_path: str | os.PathLike) -> Callable[[dict], dict]:

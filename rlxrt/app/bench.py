@@ -63,18 +63,21 @@ def step_times(target, draft, ks: list[int], context: int, repeats: int = 60) ->
     """
     import numpy as np
 
-    passes = [("target_1", target, 1)] + ([("draft_1", draft, 1)] if draft is not None else [])
-    passes += [(f"target_{k + 1}", target, k + 1) for k in ks]
-    for model in {id(m): m for _, m, _ in passes}.values():
+    passes = [("target_1", target, 1, False)] + ([("draft_1", draft, 1, False)] if draft is not None else [])
+    passes += [(f"target_{k + 1}", target, k + 1, False) for k in ks]
+    if target.greedy_ids:  # what a greedy round runs on a graph with a greedy head: ids, no logits
+        passes += [(f"target_ids_{n}", target, n, True) for n in [1] + [k + 1 for k in ks]]
+    for model in {id(m): m for _, m, _, _ in passes}.values():
         model.reset()
         model.forward(np.arange(context) % model.vocab_size, rows=1)
-    ids = {(id(m), n): np.arange(n) % m.vocab_size for _, m, n in passes}
-    times: dict[str, list[float]] = {name: [] for name, _, _ in passes}
+    ids = {(id(m), n): np.arange(n) % m.vocab_size for _, m, n, _ in passes}
+    times: dict[str, list[float]] = {name: [] for name, _, _, _ in passes}
     for _ in range(repeats):
-        for name, model, s in passes:
+        for name, model, s, greedy in passes:
             model.commit(context)
+            call = model.forward_ids if greedy else model.forward
             t0 = time.perf_counter()
-            model.forward(ids[id(model), s])
+            call(ids[id(model), s])
             times[name].append(time.perf_counter() - t0)
     if draft is not None:
         times["draft_round"] = []
@@ -279,6 +282,14 @@ def format_table(results: dict[str, Any]) -> str:
         parts = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in st.items())
         lines.append(f"step times (median, interleaved, context {results['config'].get('step_time_context')}): "
                      f"{parts}")
+        for kind, prefix in (("logits", "target_"), ("greedy ids", "target_ids_")):
+            rows = sorted(int(k[len(prefix):]) for k in st if k.startswith(prefix) and k[len(prefix):].isdigit())
+            if len(rows) > 1:
+                lines.append(f"T(k+1)/T(1), {kind}: " + ", ".join(
+                    f"T({n})/T(1) {st[prefix + str(n)] / st[prefix + '1']:.2f}" for n in rows[1:]))
+        if "target_ids_1" in st:
+            lines.append(f"greedy head: a one-row step in {st['target_ids_1'] / st['target_1']:.2f} of the logits step's "
+                         "time")
         if "draft_1" in st:
             line = f"draft/target step time ratio: {st['draft_1'] / st['target_1']:.3f} after a target step"
             if "draft_round" in st:

@@ -25,7 +25,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     res = export(args.src, args.out, dtype=args.dtype, quantize=args.quantize, force=args.force,
                  validate=not args.no_validate, atol=args.atol, report=report,
                  with_hidden_states=args.with_hidden_states, graph=args.graph, max_context=args.max_context,
-                 int4_compute=args.int4_compute)
+                 int4_compute=args.int4_compute, greedy_head=args.greedy_head)
     m = res.manifest
     v = m.validation
     if args.json:
@@ -327,6 +327,9 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("--int4-compute", choices=["fp32", "int8"], default="fp32",
                    help="int8: int4 weights computed with int8 activations, faster plain decoding; speculation "
                         "over such a target is refused (not exact), a draft may use it")
+    p.add_argument("--greedy-head", action=argparse.BooleanOptionalAction, default=None,
+                   help="fused fp32 graphs: greedy decoding reads the exact argmax found through int8 candidates "
+                        "instead of the full logits (default on; --no-greedy-head leaves it out)")
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     p.add_argument("--no-validate", action="store_true", help="skip the ORT-vs-PyTorch check")
     p.add_argument("--atol", type=float, help="validation tolerance (max abs logit diff, scaled by max |logit|)")

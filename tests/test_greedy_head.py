@@ -1,0 +1,133 @@
+"""The greedy head (exporters/greedy_head.py): the argmax of the logits through int8 candidates, exact.
+
+Tiers: the bound in NumPy; the head alone as a small ONNX graph, through both of its paths (rows the bound
+certifies, rows it sends to the full Gemm); exported fused models through rollbacks; the export switch."""
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from rlxrt import Config, ExportError, Manifest, compile
+from rlxrt.exporters.fused import Builder, Spec
+from rlxrt.exporters.greedy_head import add, int8_rows
+from rlxrt.sessions import Session, decoder_for
+
+CFG = Config(intra_op_threads=1, cache=False)
+
+
+def quantise_like_ort(h: np.ndarray) -> np.ndarray:
+    """DynamicQuantizeLinear's round trip (per tensor, uint8, the range stretched to hold 0)."""
+    lo, hi = min(float(h.min()), 0.0), max(float(h.max()), 0.0)
+    scale = np.float32((hi - lo) / 255)
+    zero = np.clip(np.rint(-lo / scale), 0, 255)
+    return ((np.clip(np.rint(h / scale) + zero, 0, 255) - zero) * scale).astype(np.float32)
+
+
+def test_the_bound_holds_for_heavy_tailed_rows():
+    rng = np.random.default_rng(0)
+    e = (rng.standard_t(2, (500, 64)) * 0.05).astype(np.float32)  # outlier weights
+    wq, s, coef, d = int8_rows(e)
+    assert wq.dtype == np.int8 and wq.shape == (64, 500) and (d <= s / 2 + 1e-7).all()
+    for _ in range(20):
+        h = (rng.standard_t(1.5, (5, 64)) * 3).astype(np.float32)  # outlier activations
+        hq = quantise_like_ort(h)
+        approx = (hq @ wq.astype(np.float32)) * s
+        exact = h.astype(np.float64) @ e.T.astype(np.float64)
+        per_row = np.stack([np.abs(h).sum(1), np.abs(h - hq).max(1)], 1)
+        assert (np.abs(exact - approx) <= per_row @ coef).all()
+
+
+def head_graph(e: np.ndarray, candidates: int):
+    """An ORT session of the head alone: inputs h [rows, K] and greedy, outputs logits and ids."""
+    from onnx import TensorProto, helper
+
+    v, k = e.shape
+    spec = Spec({"model_type": "llama", "hidden_size": k, "num_hidden_layers": 1, "num_attention_heads": k // 16,
+                 "intermediate_size": 32, "vocab_size": v, "tie_word_embeddings": True}, None)
+    b = Builder(spec, {"model.embed_tokens.weight": e})
+    b.weight("embed.weight", e)
+    logits, ids = add(b, "h", "embed.weight", candidates)
+    graph = helper.make_graph(
+        b.nodes, "head", [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["rows", k]),
+                          helper.make_tensor_value_info("greedy", TensorProto.BOOL, [1])],
+        [helper.make_tensor_value_info(logits, TensorProto.FLOAT, None),
+         helper.make_tensor_value_info(ids, TensorProto.INT64, None)], b.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+                              ir_version=10)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("candidates", [1, 4, 300])
+def test_the_head_returns_the_argmax_of_its_own_logits(candidates):
+    """C=300 of 300 rows certifies nearly every row (the candidates are everything); C=1 sends the near
+    ties to the Gemm; rows with a clear winner certify at any C. Ties go to the lowest id, as np.argmax."""
+    rng = np.random.default_rng(candidates)
+    e = rng.normal(0, 0.05, (300, 32)).astype(np.float32)
+    e[7] = e[250]  # an exact tie between two ids whenever one of them wins
+    sess = head_graph(e, candidates)
+    rows = [rng.normal(0, 1, (n, 32)).astype(np.float32) for n in (1, 2, 5, 5, 3)]
+    rows += [e[[250, 3, 9]] * 40, e[[0, 7]] * 40 + rng.normal(0, 1e-3, (2, 32)).astype(np.float32)]
+    for h in rows:
+        logits, none = sess.run(None, {"h": h, "greedy": np.array([False])})
+        assert logits.shape == (len(h), 300) and none.shape == (0,)
+        empty, ids = sess.run(None, {"h": h, "greedy": np.array([True])})
+        assert empty.shape == (0, 300) and ids.dtype == np.int64
+        np.testing.assert_array_equal(ids, logits.argmax(1))
+    assert sess.run(None, {"h": e[[250]] * 40, "greedy": np.array([True])})[1][0] == 7
+
+
+def test_a_row_that_is_not_finite_gets_minus_one():
+    e = np.random.default_rng(0).normal(0, 0.05, (50, 16)).astype(np.float32)
+    h = np.ones((3, 16), np.float32)
+    h[1, 4], h[2, 0] = np.nan, np.inf
+    ids = head_graph(e, 4).run(None, {"h": h, "greedy": np.array([True])})[1]
+    assert ids[0] >= 0 and ids[1] == -1 and ids[2] == -1
+
+
+@pytest.mark.export
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_exported_models_pick_the_argmax_through_rollbacks(exported, family):
+    out = exported(family)
+    m = Manifest.load(out)
+    assert m.inputs["greedy"] == "greedy" and m.outputs["next_ids"] == "next_ids"
+    assert m.validation["passed"] and m.validation["greedy_ids_wrong"] == 0
+    model = decoder_for(compile(out, CFG))
+    assert model.greedy_ids
+    rng = np.random.default_rng(2)
+    ids = rng.integers(3, m.vocab_size, 40).tolist()
+    model.forward_ids(ids[:12])
+    for start in range(12, 36, 4):
+        model.commit(start)
+        logits = model.forward(ids[start:start + 5]).copy()  # a verify pass of 5 rows
+        model.commit(start)
+        np.testing.assert_array_equal(model.forward_ids(ids[start:start + 5]), logits.argmax(-1))
+        model.commit(start + 4)
+        one = model.forward(ids[start + 4:start + 5], rows=1).copy()
+        model.commit(start + 4)
+        assert model.forward_ids(ids[start + 4:start + 5], rows=1)[0] == one.argmax()
+
+
+@pytest.mark.export
+def test_without_the_head_greedy_decoding_is_the_same(exported, tmp_path):
+    import rlxrt
+
+    src = exported.source("llama")
+    bare = rlxrt.export(src, tmp_path / "bare", greedy_head=False)
+    assert not bare.manifest.inputs.get("greedy") and not bare.manifest.outputs.get("next_ids")
+    assert not decoder_for(compile(bare.path, CFG)).greedy_ids
+    prompt = "def add(a, b):\n    return a + b\n"
+    a = Session(bare.path, None, CFG).generate(prompt, max_new_tokens=32, ignore_eos=True)
+    b = Session(exported("llama"), None, CFG).generate(prompt, max_new_tokens=32, ignore_eos=True)
+    assert a.token_ids == b.token_ids
+
+
+@pytest.mark.export
+@pytest.mark.parametrize("kwargs, words", [({"dtype": "fp16"}, "float32 graphs"),
+                                           ({"graph": "portable"}, "part of the fused graph"),
+                                           ({"quantize": "int4"}, "float32 graphs")])
+def test_the_head_is_refused_where_it_does_not_apply(exported, tmp_path, kwargs, words):
+    import rlxrt
+
+    with pytest.raises(ExportError, match=words):
+        rlxrt.export(exported.source("llama"), tmp_path / "x", greedy_head=True, **kwargs)
