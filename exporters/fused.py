@@ -140,8 +140,12 @@ class Spec:
         if greedy_head and not plain_fp32:
             raise ExportError("the greedy head (next_ids) is built for float32 graphs without int4; drop "
                               "--greedy-head or export float32")
-        self.greedy_head = plain_fp32 if greedy_head is None else bool(greedy_head)
-        """Input ``greedy`` and output ``next_ids``: the exact argmax through int8 candidates (greedy_head.py)."""
+        from .greedy_head import MIN_SIZE
+
+        pays = plain_fp32 and self.vocab * self.hidden >= MIN_SIZE
+        self.greedy_head = pays if greedy_head is None else bool(greedy_head)
+        """Input ``greedy`` and output ``next_ids``: the exact argmax through int8 candidates (greedy_head.py);
+        by default where the LM head is large enough to pay for it (``greedy_head.MIN_SIZE``)."""
 
     def _window(self, c: dict, i: int) -> int:
         """transformers' sliding window of layer i: mistral on every layer (4096 when unset); qwen2 only when

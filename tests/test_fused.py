@@ -81,12 +81,14 @@ def test_fused_and_portable_graphs_generate_the_same(exported, family):
 @pytest.mark.parametrize("k", [1, 3, 8])
 @pytest.mark.parametrize("draft", ["fused self", "fused other", "portable other", "lookup"])
 def test_greedy_speculation_on_fused_graphs_is_exact(exported, k, draft):
+    """Plain decoding argmaxes the full logits; the speculative target verifies through its greedy head."""
     plain = Session(exported("mistral"), None, CFG).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
     spec = {"fused self": lambda: DraftModel(exported("mistral"), CFG),
             "fused other": lambda: DraftModel(exported("mistral", seed=1), CFG),
             "portable other": lambda: DraftModel(exported("mistral", seed=1, graph="portable"), CFG),
             "lookup": PromptLookup}[draft]()
-    g = Session(exported("mistral"), spec, CFG, k=k).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+    target = exported("mistral", greedy_head=True)
+    g = Session(target, spec, CFG, k=k).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
     assert g.token_ids == plain.token_ids
     if draft == "fused self":
         assert g.stats.acceptance_rate == 1.0

@@ -8,7 +8,7 @@ import pytest
 
 from rlxrt import Config, ExportError, Manifest, compile
 from rlxrt.exporters.fused import Builder, Spec
-from rlxrt.exporters.greedy_head import add, int8_rows
+from rlxrt.exporters.greedy_head import MIN_SIZE, add, int8_rows
 from rlxrt.sessions import Session, decoder_for
 
 CFG = Config(intra_op_threads=1, cache=False)
@@ -88,7 +88,7 @@ def test_a_row_that_is_not_finite_gets_minus_one():
 @pytest.mark.export
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_exported_models_pick_the_argmax_through_rollbacks(exported, family):
-    out = exported(family)
+    out = exported(family, greedy_head=True)
     m = Manifest.load(out)
     assert m.inputs["greedy"] == "greedy" and m.outputs["next_ids"] == "next_ids"
     assert m.validation["passed"] and m.validation["greedy_ids_wrong"] == 0
@@ -109,17 +109,15 @@ def test_exported_models_pick_the_argmax_through_rollbacks(exported, family):
 
 
 @pytest.mark.export
-def test_without_the_head_greedy_decoding_is_the_same(exported, tmp_path):
-    import rlxrt
-
-    src = exported.source("llama")
-    bare = rlxrt.export(src, tmp_path / "bare", greedy_head=False)
-    assert not bare.manifest.inputs.get("greedy") and not bare.manifest.outputs.get("next_ids")
-    assert not decoder_for(compile(bare.path, CFG)).greedy_ids
+def test_small_lm_heads_go_without_it_by_default_and_decode_the_same(exported):
+    bare, head = exported("llama"), exported("llama", greedy_head=True)
+    m = Manifest.load(bare)
+    assert m.vocab_size * 64 < MIN_SIZE and not m.inputs.get("greedy") and not m.outputs.get("next_ids")
+    assert not decoder_for(compile(bare, CFG)).greedy_ids
     prompt = "def add(a, b):\n    return a + b\n"
-    a = Session(bare.path, None, CFG).generate(prompt, max_new_tokens=32, ignore_eos=True)
-    b = Session(exported("llama"), None, CFG).generate(prompt, max_new_tokens=32, ignore_eos=True)
-    assert a.token_ids == b.token_ids
+    a = Session(bare, None, CFG).generate(prompt, max_new_tokens=32, ignore_eos=True)
+    b = Session(head, None, CFG).generate(prompt, max_new_tokens=32, ignore_eos=True)
+    assert a.token_ids == b.token_ids and b.stats.emitted == 32
 
 
 @pytest.mark.export
