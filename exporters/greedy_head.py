@@ -32,8 +32,9 @@ from __future__ import annotations
 import numpy as np
 
 CANDIDATES = 64
-"""Candidate rows per position. On SmolLM2-135M's chat replies the bound certifies 94 % of positions with
-64 (the top logit leads the 64th by ~9 on median, the bound is ~5), against 60-84 % with 16."""
+"""Candidate rows per position. On 396 positions of SmolLM2-135M's greedy chat replies the bound certifies
+98.7 % with 64 (85 % with 16, 95.5 % with 32, all with 128): the top logit leads the 64th by ~9 on median,
+the bound is ~5."""
 MIN_SIZE = 1 << 20
 """Default on from this vocab x hidden (an fp32 LM head of 4 MiB) up: below it the head's ~35 small nodes cost
 more than the Gemm they spare. Measured per greedy token, 1 thread: SmolLM2-135M (49,152 x 576) 0.85x; the

@@ -54,8 +54,12 @@ def analytic_speedup(tokens_per_round: float, t_round: float, t1: float) -> floa
     return tokens_per_round * t1 / t_round if t_round > 0 else float("nan")
 
 
-def step_times(target, draft, ks: list[int], context: int, repeats: int = 60) -> dict[str, float]:
+def step_times(target, draft, ks: list[int], context: int, repeats: int = 60,
+               text: list[int] | None = None) -> dict[str, float]:
     """Median seconds of one draft step, one target step, and a target pass over k+1 tokens.
+
+    ``text`` (token ids the target wrote; repeated as needed) is the context and the tokens fed after it, so
+    that a greedy head meets the hidden states of real text; without it, ids 0, 1, 2, …
 
     The passes are interleaved (one of each per repeat) so that machine noise hits them alike; a draft step
     measured so follows a target step, which has pushed the draft's weights out of the caches. ``draft_round``
@@ -67,10 +71,12 @@ def step_times(target, draft, ks: list[int], context: int, repeats: int = 60) ->
     passes += [(f"target_{k + 1}", target, k + 1, False) for k in ks]
     if target.greedy_ids:  # what a greedy round runs on a graph with a greedy head: ids, no logits
         passes += [(f"target_ids_{n}", target, n, True) for n in [1] + [k + 1 for k in ks]]
+    longest = context + max([1, *ks]) + 1
+    stream = np.resize(np.asarray(text, np.int64), longest) if text else np.arange(longest)
     for model in {id(m): m for _, m, _, _ in passes}.values():
         model.reset()
-        model.forward(np.arange(context) % model.vocab_size, rows=1)
-    ids = {(id(m), n): np.arange(n) % m.vocab_size for _, m, n, _ in passes}
+        model.forward(stream[:context] % model.vocab_size, rows=1)
+    ids = {(id(m), n): stream[context:context + n] % m.vocab_size for _, m, n, _ in passes}
     times: dict[str, list[float]] = {name: [] for name, _, _, _ in passes}
     for _ in range(repeats):
         for name, model, s, greedy in passes:
@@ -220,7 +226,9 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
     # step times at the middle of a typical request's context
     mid = statistics.median(prompt_lens) + max_new_tokens // 2 if prompt_lens else 256
     context = int(min(mid, sessions["plain"].manifest.max_positions - max(ks) - 2))
-    st = step_times(sessions["plain"].target, draft_model, list(ks), context=context)
+    last = sessions["plain"].last  # the text the target wrote last: real hidden states for a greedy head
+    text = (last.prompt_token_ids + last.token_ids) if last is not None else None
+    st = step_times(sessions["plain"].target, draft_model, list(ks), context=context, text=text)
     results["config"]["step_time_context"] = context
     results["step_times_s"] = st
     for temp_res in results["temperatures"].values():
