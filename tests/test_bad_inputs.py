@@ -55,6 +55,10 @@ def files(tmp_path_factory):
     (d / "object.json").write_text('{"prompt": "x"}')
     (d / "numbers.json").write_text("[1]")
     (d / "hf-file").write_text("weights?")
+    (d / "llama-config").mkdir()  # a config and no weights: enough for the checks made before any weight is read
+    (d / "llama-config" / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+         "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 64}))
     return d
 
 
@@ -315,6 +319,8 @@ CLI = [
     (["export", "{f}/nope", "{f}/out", "--atol", "-1"], USAGE, ["--atol", "-1"]),
     (["export", "{f}/nope", "{f}/out"], ERROR, ["nope", "does not exist"]),
     (["export", "{f}/hf-file", "{f}/out2"], ERROR, ["hf-file", "is a file"]),
+    (["export", "{f}/llama-config", "{f}/out3", "--graph", "portable", "--greedy-head"], ERROR,
+     ["greedy head is part of the fused graph", "drop --greedy-head"]),
     (["inspect", "{f}/nope.onnx"], ERROR, ["nope.onnx", "does not exist"]),
     (["inspect", "{f}/not-onnx.onnx"], ERROR, ["not-onnx.onnx", "not a readable ONNX model"]),
     (["compile", "{f}/nope.onnx"], ERROR, ["nope.onnx", "does not exist"]),
