@@ -47,6 +47,8 @@ class DraftModel(ModelSpeculator):
         k = min(k, m.max_positions - len(ctx.tokens))
         if k <= 0:
             return DraftProposal(np.zeros(0, np.int64))
+        if m.greedy_ids and ctx.params.greedy and not self.min_prob:  # argmax ids from the draft's greedy head
+            return self.chain_ids(m.forward_ids(ctx.tokens[m.length:], rows=1)[-1], k, lambda x: m.forward_ids((x,))[0])
         return self.chain(m.forward(ctx.tokens[m.length:], rows=1)[-1], k, ctx, lambda x: m.forward((x,))[0])
 
     def commit(self, ctx: Context, decision: AcceptDecision, verify: VerifyResult) -> None:

@@ -78,6 +78,20 @@ class ModelSpeculator(Speculator):
     def chain(self, logits: np.ndarray, k: int, ctx: Context, step) -> DraftProposal:
         return draft_chain(logits, k, ctx, step, self.min_prob, self.scratch)
 
+    @staticmethod
+    def chain_ids(first: int, k: int, step) -> DraftProposal:
+        """Up to k greedy drafts from argmax ids: ``first``, then ``step(token)`` (the draft's next id). The
+        chain ends before a -1 (a hidden state that is not finite): a draft's tokens never touch exactness."""
+        tokens = np.empty(k, np.int64)
+        x = int(first)
+        for i in range(k):
+            if x < 0:
+                return DraftProposal(tokens[:i])
+            tokens[i] = x
+            if i + 1 < k:
+                x = int(step(x))
+        return DraftProposal(tokens)
+
     @property
     def providers(self) -> list[str]:
         return self.model.providers

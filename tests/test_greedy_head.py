@@ -9,9 +9,10 @@ import pytest
 from rlxrt import Config, ExportError, Manifest, compile
 from rlxrt.exporters.fused import Builder, Spec
 from rlxrt.exporters.greedy_head import MIN_SIZE, add, int8_rows
-from rlxrt.sessions import Session, decoder_for
+from rlxrt.sessions import DraftModel, Session, decoder_for
 
 CFG = Config(intra_op_threads=1, cache=False)
+PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
 
 
 def quantise_like_ort(h: np.ndarray) -> np.ndarray:
@@ -106,6 +107,26 @@ def test_exported_models_pick_the_argmax_through_rollbacks(exported, family):
         one = model.forward(ids[start + 4:start + 5], rows=1).copy()
         model.commit(start + 4)
         assert model.forward_ids(ids[start + 4:start + 5], rows=1)[0] == one.argmax()
+
+
+@pytest.mark.export
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_draft_model_with_the_head_drafts_from_ids(exported, k):
+    """The target itself as its draft, both with the head: every drafted id is the target's own argmax."""
+    target = exported("qwen2", greedy_head=True)
+    plain = Session(exported("qwen2"), None, CFG).generate(PROMPT, max_new_tokens=30, ignore_eos=True)
+    spec = DraftModel(target, CFG)
+    assert spec.model.greedy_ids
+    g = Session(target, spec, CFG, k=k).generate(PROMPT, max_new_tokens=30, ignore_eos=True)
+    assert g.token_ids == plain.token_ids and g.stats.acceptance_rate == 1.0 and g.stats.drafted >= 30 // (k + 1) * k - k
+    other = Session(target, DraftModel(exported("qwen2", seed=1, greedy_head=True), CFG), CFG, k=k)
+    assert other.generate(PROMPT, max_new_tokens=30, ignore_eos=True).token_ids == plain.token_ids
+
+
+def test_the_id_chain_stops_before_a_broken_id():
+    steps = iter([7, -1, 5])
+    p = DraftModel.chain_ids(3, 4, lambda x: next(steps))
+    assert p.tokens.tolist() == [3, 7] and p.probs is None
 
 
 @pytest.mark.export
