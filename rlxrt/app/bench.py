@@ -54,12 +54,17 @@ def analytic_speedup(tokens_per_round: float, t_round: float, t1: float) -> floa
     return tokens_per_round * t1 / t_round if t_round > 0 else float("nan")
 
 
+SPREAD = 8
+"""Positions the step-time probe rotates over."""
+
+
 def step_times(target, draft, ks: list[int], context: int, repeats: int = 60,
                text: list[int] | None = None) -> dict[str, float]:
     """Median seconds of one draft step, one target step, and a target pass over k+1 tokens.
 
     ``text`` (token ids the target wrote; repeated as needed) is the context and the tokens fed after it, so
-    that a greedy head meets the hidden states of real text; without it, ids 0, 1, 2, …
+    that a greedy head meets the hidden states of real text; without it, ids 0, 1, 2, … Repeats rotate over
+    the last ``SPREAD`` positions of the context (a head's cost depends on the position it meets).
 
     The passes are interleaved (one of each per repeat) so that machine noise hits them alike; a draft step
     measured so follows a target step, which has pushed the draft's weights out of the caches. ``draft_round``
@@ -71,29 +76,31 @@ def step_times(target, draft, ks: list[int], context: int, repeats: int = 60,
     passes += [(f"target_{k + 1}", target, k + 1, False) for k in ks]
     if target.greedy_ids:  # what a greedy round runs on a graph with a greedy head: ids, no logits
         passes += [(f"target_ids_{n}", target, n, True) for n in [1] + [k + 1 for k in ks]]
+    context = max(SPREAD, context)
     longest = context + max([1, *ks]) + 1
     stream = np.resize(np.asarray(text, np.int64), longest) if text else np.arange(longest)
     for model in {id(m): m for _, m, _, _ in passes}.values():
         model.reset()
         model.forward(stream[:context] % model.vocab_size, rows=1)
-    ids = {(id(m), n): stream[context:context + n] % m.vocab_size for _, m, n, _ in passes}
+    vocab = {id(m): m.vocab_size for _, m, _, _ in passes}
     times: dict[str, list[float]] = {name: [] for name, _, _, _ in passes}
-    for _ in range(repeats):
+    for r in range(repeats):
+        at = context - r % SPREAD
         for name, model, s, greedy in passes:
-            model.commit(context)
-            call = model.forward_ids if greedy else model.forward
+            model.commit(at)
+            call, fed = (model.forward_ids if greedy else model.forward), stream[at:at + s] % vocab[id(model)]
             t0 = time.perf_counter()
-            call(ids[id(model), s])
+            call(fed)
             times[name].append(time.perf_counter() - t0)
     if draft is not None:
         times["draft_round"] = []
         for _ in range(repeats):
             target.commit(context)
-            target.forward(ids[id(target), 1])
+            target.forward(stream[context:context + 1] % target.vocab_size)
             t0 = time.perf_counter()
             for j in range(max(ks)):
                 draft.commit(context + j)
-                draft.forward(ids[id(draft), 1])
+                draft.forward(stream[context:context + 1] % draft.vocab_size)
             times["draft_round"].append((time.perf_counter() - t0) / max(ks))
     return {name: statistics.median(ts) for name, ts in times.items()}
 
