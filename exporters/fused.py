@@ -362,7 +362,8 @@ class Builder(Nodes):
         outputs = [h.make_tensor_value_info(logits, TensorProto.FLOAT, [1, "rows", s.vocab])]
         if s.greedy_head:
             inputs.append(h.make_tensor_value_info("greedy", TensorProto.BOOL, [1]))
-            outputs.append(h.make_tensor_value_info("next_ids", TensorProto.INT64, [1, "id_rows"]))
+            outputs += [h.make_tensor_value_info("next_ids", TensorProto.INT64, [1, "id_rows"]),
+                        h.make_tensor_value_info("greedy_fallbacks", TensorProto.INT64, [])]
         for i in range(s.layers):
             pk, pv, ck, cv = (n.format(i=i) for n in PAST)
             inputs += [h.make_tensor_value_info(n, kv_type, cache) for n in (pk, pv)]
@@ -381,7 +382,8 @@ def fused_layout(spec: Spec, with_hidden: bool) -> dict:
             "quantization": dict(spec.quantization) if spec.quantization else None,
             "inputs": {**INPUTS, "greedy": greedy}, "kv_cache": spec.kv_layout(), "state": None,
             "outputs": {"logits": "logits", "hidden_states": "hidden_states" if with_hidden else None,
-                        "next_ids": "next_ids" if greedy else None},
+                        "next_ids": "next_ids" if greedy else None,
+                        "greedy_fallbacks": "greedy_fallbacks" if greedy else None},
             "max_positions": spec.capacity, "graph_kind": "fused"}
 
 

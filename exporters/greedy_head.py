@@ -69,7 +69,8 @@ def int8_rows(e: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
 def add(b, flat: str, table: str, candidates: int = CANDIDATES) -> tuple[str, str]:
     """Add the greedy/sampling switch after ``flat`` ([rows, hidden], the normed rows asked for) to builder
     ``b``; ``table`` is the fp32 output embedding [V, hidden] already among its initializers. Returns the
-    names of the [rows, V] logits and the [rows] ids (each empty in the other mode)."""
+    names of the [rows, V] logits and the [rows] ids (each empty in the other mode); it also writes the scalar
+    ``greedy_fallbacks``, how many rows of the call took the full Gemm (0 when sampling)."""
     from onnx import TensorProto
 
     from .fused import Nodes
@@ -110,19 +111,22 @@ def add(b, flat: str, table: str, candidates: int = CANDIDATES) -> tuple[str, st
                                        "g.ids_or_v")], "g.picked", axes=[-1], keepdims=0)
         # rows the bound could not certify: the full Gemm, for those rows only (none, most steps)
         unsure = n("Transpose", [n("NonZero", [n("Not", [sure], "g.unsure")], "g.unsure_at")], "g.unsure_idx")
+        n("ReduceSum", [n("Cast", ["g.unsure"], "g.unsure_n", to=TensorProto.INT64)], "g.fallbacks", keepdims=0)
         full = n("Gemm", [n("GatherND", [flat, unsure], "g.unsure_rows"), table], "g.full", transB=1)
         ids = n("ScatterND", [picked, unsure, n("ArgMax", [full], "g.full_ids", axis=1, keepdims=0)], "g.ids")
         row_sum = n("ReduceSum", [flat, "greedy.axis_last"], "g.row_sum", keepdims=0)
         broken = n("IsNaN", [n("Sub", [row_sum, row_sum], "g.nan_if_not_finite")], "g.broken")
         n("Where", [broken, "greedy.none", ids], "g.next_ids")
         n("ConstantOfShape", ["greedy.no_rows"], "g.no_logits", value=mk.make_tensor("z", TensorProto.FLOAT, [1], [0.0]))
-        return [("g.no_logits", TensorProto.FLOAT), ("g.next_ids", TensorProto.INT64)]
+        return [("g.no_logits", TensorProto.FLOAT), ("g.next_ids", TensorProto.INT64),
+                ("g.fallbacks", TensorProto.INT64)]
 
     def sampling(g: Nodes):
         g.node("Gemm", [flat, table], "s.logits", transB=1)
         g.node("ConstantOfShape", ["greedy.no_ids"], "s.no_ids", value=mk.make_tensor("z", TensorProto.INT64, [1], [0]))
-        return [("s.logits", TensorProto.FLOAT), ("s.no_ids", TensorProto.INT64)]
+        g.node("Constant", [], "s.no_fallbacks", value=mk.make_tensor("z", TensorProto.INT64, [], [0]))
+        return [("s.logits", TensorProto.FLOAT), ("s.no_ids", TensorProto.INT64), ("s.no_fallbacks", TensorProto.INT64)]
 
-    b.node("If", ["greedy"], ["logits2d", "ids1d"], then_branch=branch("greedy_ids", greedy),
+    b.node("If", ["greedy"], ["logits2d", "ids1d", "greedy_fallbacks"], then_branch=branch("greedy_ids", greedy),
            else_branch=branch("all_logits", sampling))
     return "logits2d", "ids1d"

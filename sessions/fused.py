@@ -79,6 +79,7 @@ class FusedKVModel(GraphModel):
         self._run_binding = graph.session.run_with_iobinding
         self.output_names = [self._logits]
         self.greedy_ids = bool(m.inputs.get("greedy") and m.outputs.get("next_ids"))
+        self._fallbacks: np.ndarray | None = None
         if self.greedy_ids:  # the unused output of each mode is bound to an empty array, made once
             self._greedy, self._next_name = np.zeros(1, bool), m.outputs["next_ids"]
             self._next_buf, self._next = np.zeros((1, K_MAX + 1), np.int64), {}
@@ -86,6 +87,10 @@ class FusedKVModel(GraphModel):
             self._no_ids = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, 0), np.int64))
             self._buffers.append(ort.OrtValue.ortvalue_from_numpy(self._greedy))
             self._binding.bind_ortvalue_input(m.inputs["greedy"], self._buffers[-1])
+            if m.outputs.get("greedy_fallbacks"):  # rows the head's bound could not certify, per call
+                self._fallbacks = np.zeros((), np.int64)
+                self._buffers.append(ort.OrtValue.ortvalue_from_numpy(self._fallbacks))
+                self._binding.bind_ortvalue_output(m.outputs["greedy_fallbacks"], self._buffers[-1])
         self.reset()
 
     def _buffer(self, cache: dict, n: int, shape: tuple, dtype, base: np.ndarray | None = None):
@@ -152,6 +157,10 @@ class FusedKVModel(GraphModel):
                 b.bind_ortvalue_output(self._hidden_name, hidden_value)
             self._bound = (s, n, greedy)
         self._timed(self._run_binding, b)
+        if greedy:
+            self.greedy_rows += n
+            if self._fallbacks is not None:
+                self.greedy_fallbacks += int(self._fallbacks)
         self.length = end
         if hidden is not None:
             self.hidden = hidden[0]

@@ -19,6 +19,10 @@ class GraphModel:
 
     greedy_ids = False
     """True when the graph has a greedy head: ``forward_ids`` returns each row's argmax without the logits."""
+    greedy_rows = 0
+    """Rows this model's greedy head has answered (``forward_ids``), since it was made."""
+    greedy_fallbacks = 0
+    """Of those, rows its bound could not certify, which took the full Gemm (graphs that report it)."""
     hidden: np.ndarray | None = None
     """[s, H] last hidden states of the last forward, when fetched (see ``KVModel.fetch_hidden``); a fused
     graph's is its buffer, like its logits: valid until the next forward (copy it to keep it)."""

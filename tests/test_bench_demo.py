@@ -38,6 +38,21 @@ def test_bench_on_a_tiny_random_pair_writes_json_and_png(exported, tmp_path):
 
 
 @pytest.mark.export
+def test_bench_of_a_target_with_a_greedy_head_reports_it(exported, tmp_path):
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps(["def add(a, b):\n    return", "for i in range(3):\n"]))
+    r = rlxrt("bench", "--target", str(exported("llama", greedy_head=True)), "--no-hf", "--no-head",
+              "--prompt-file", str(prompts), "--prompts", "2", "--repeats", "1", "--max-new-tokens", "8", "--ks", "2", "--temperatures", "0",
+              "--out", str(tmp_path / "b"))
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "b" / "bench.json").read_text())
+    head = data["greedy_head"]
+    assert head["rows"] >= 2 * 8 and 0 <= head["fallback_rows"] <= head["rows"]
+    assert {"target_ids_1", "target_ids_3"} <= set(data["step_times_s"])
+    assert "greedy head:" in r.stdout and "T(k+1)/T(1), greedy ids: T(3)/T(1)" in r.stdout
+
+
+@pytest.mark.export
 def test_bench_chat_sends_user_turns_and_stops_at_end_of_turn(exported, tmp_path):
     from test_chat import CHATML
 

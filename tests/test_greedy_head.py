@@ -51,7 +51,8 @@ def head_graph(e: np.ndarray, candidates: int):
         b.nodes, "head", [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["rows", k]),
                           helper.make_tensor_value_info("greedy", TensorProto.BOOL, [1])],
         [helper.make_tensor_value_info(logits, TensorProto.FLOAT, None),
-         helper.make_tensor_value_info(ids, TensorProto.INT64, None)], b.inits)
+         helper.make_tensor_value_info(ids, TensorProto.INT64, None),
+         helper.make_tensor_value_info("greedy_fallbacks", TensorProto.INT64, [])], b.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
                               ir_version=10)
     opts = ort.SessionOptions()
@@ -70,12 +71,21 @@ def test_the_head_returns_the_argmax_of_its_own_logits(candidates):
     rows = [rng.normal(0, 1, (n, 32)).astype(np.float32) for n in (1, 2, 5, 5, 3)]
     rows += [e[[250, 3, 9]] * 40, e[[0, 7]] * 40 + rng.normal(0, 1e-3, (2, 32)).astype(np.float32)]
     for h in rows:
-        logits, none = sess.run(None, {"h": h, "greedy": np.array([False])})
-        assert logits.shape == (len(h), 300) and none.shape == (0,)
-        empty, ids = sess.run(None, {"h": h, "greedy": np.array([True])})
-        assert empty.shape == (0, 300) and ids.dtype == np.int64
+        logits, none, zero = sess.run(None, {"h": h, "greedy": np.array([False])})
+        assert logits.shape == (len(h), 300) and none.shape == (0,) and zero == 0
+        empty, ids, unsure = sess.run(None, {"h": h, "greedy": np.array([True])})
+        assert empty.shape == (0, 300) and ids.dtype == np.int64 and 0 <= unsure <= len(h)
         np.testing.assert_array_equal(ids, logits.argmax(1))
     assert sess.run(None, {"h": e[[250]] * 40, "greedy": np.array([True])})[1][0] == 7
+
+
+def test_the_fallback_count_is_real():
+    """One candidate leaves every row whose runner-up is within the bound to the Gemm; all 300 leave none."""
+    rng = np.random.default_rng(5)
+    e = rng.normal(0, 0.05, (300, 32)).astype(np.float32)
+    h = rng.normal(0, 1, (40, 32)).astype(np.float32)
+    counts = {c: int(head_graph(e, c).run(None, {"h": h, "greedy": np.array([True])})[2]) for c in (1, 8, 300)}
+    assert counts[1] > counts[8] >= counts[300] == 0 and counts[1] <= 40
 
 
 def test_a_row_that_is_not_finite_gets_minus_one():
@@ -107,6 +117,7 @@ def test_exported_models_pick_the_argmax_through_rollbacks(exported, family):
         one = model.forward(ids[start + 4:start + 5], rows=1).copy()
         model.commit(start + 4)
         assert model.forward_ids(ids[start + 4:start + 5], rows=1)[0] == one.argmax()
+    assert model.greedy_rows == 12 * 1 + 6 * (5 + 1) and 0 <= model.greedy_fallbacks <= model.greedy_rows
 
 
 @pytest.mark.export
