@@ -316,7 +316,7 @@ class Builder(Nodes):
             from .greedy_head import add
 
             table = "embed.weight" if s.tied else self.weight("lm_head.rows", self.take("lm_head.weight"))
-            out, ids = add(self, flat, table)
+            out, ids = add(self, flat, table, next_tokens=self.next_tokens())
             self.node("Unsqueeze", [ids, self.const("axis0", [0])], "next_ids")
             return self.node("Unsqueeze", [out, self.const("axis0", [0])], "logits")
         if s.tied:
@@ -324,6 +324,15 @@ class Builder(Nodes):
         else:
             out = self.node("MatMul", [flat, self.weight("lm_head.weight", self.take("lm_head.weight").T)], "logits2d")
         return self.to_float32(self.node("Unsqueeze", [out, self.const("axis0", [0])], last), "logits")
+
+    def next_tokens(self) -> str:
+        """[rows] int64: the token fed after each of the last ``num_logits`` rows (a draft that row verifies),
+        -1 after the last one."""
+        start = self.node("Add", [self.node("Sub", [self.node("Shape", ["input_ids"], "fed_len", start=1),
+                                                    "num_logits"], "first_row"), self.const("one", [1])], "first_fed")
+        fed = self.node("Slice", [self.node("Reshape", ["input_ids", self.const("flat_ids", [-1])], "ids1d_in"), start,
+                                  self.const("end", [np.iinfo(np.int64).max]), self.const("axis0", [0])], "fed_after")
+        return self.node("Concat", [fed, self.const("none_after", [-1])], "next_tokens", axis=0)
 
     def build(self, with_hidden: bool):
         s = self.spec

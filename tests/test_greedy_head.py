@@ -9,6 +9,7 @@ import pytest
 from rlxrt import Config, ExportError, Manifest, compile
 from rlxrt.exporters.fused import Builder, Spec
 from rlxrt.exporters.greedy_head import MIN_SIZE, add, int8_rows
+from rlxrt.exporters.validate import ids_wrong
 from rlxrt.sessions import DraftModel, Session, decoder_for
 
 CFG = Config(intra_op_threads=1, cache=False)
@@ -37,8 +38,9 @@ def test_the_bound_holds_for_heavy_tailed_rows():
         assert (np.abs(exact - approx) <= per_row @ coef).all()
 
 
-def head_graph(e: np.ndarray, candidates: int):
-    """An ORT session of the head alone: inputs h [rows, K] and greedy, outputs logits and ids."""
+def head_graph(e: np.ndarray, candidates: int, chain: bool = False):
+    """An ORT session of the head alone: inputs h [rows, K] and greedy (and ``chain``: the token fed after
+    each row, input next), outputs logits, ids and the fallback count."""
     from onnx import TensorProto, helper
 
     v, k = e.shape
@@ -46,10 +48,13 @@ def head_graph(e: np.ndarray, candidates: int):
                  "intermediate_size": 32, "vocab_size": v, "tie_word_embeddings": True}, None)
     b = Builder(spec, {"model.embed_tokens.weight": e})
     b.weight("embed.weight", e)
-    logits, ids = add(b, "h", "embed.weight", candidates)
+    logits, ids = add(b, "h", "embed.weight", candidates, "next" if chain else None)
+    inputs = [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["rows", k]),
+              helper.make_tensor_value_info("greedy", TensorProto.BOOL, [1])]
+    if chain:
+        inputs.append(helper.make_tensor_value_info("next", TensorProto.INT64, ["rows"]))
     graph = helper.make_graph(
-        b.nodes, "head", [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["rows", k]),
-                          helper.make_tensor_value_info("greedy", TensorProto.BOOL, [1])],
+        b.nodes, "head", inputs,
         [helper.make_tensor_value_info(logits, TensorProto.FLOAT, None),
          helper.make_tensor_value_info(ids, TensorProto.INT64, None),
          helper.make_tensor_value_info("greedy_fallbacks", TensorProto.INT64, [])], b.inits)
@@ -88,6 +93,35 @@ def test_the_fallback_count_is_real():
     assert counts[1] > counts[8] >= counts[300] == 0 and counts[1] <= 40
 
 
+def test_a_verification_reads_rows_up_to_the_first_rejection_only():
+    """With the token fed after each row, rows after one known to differ skip the Gemm (-2 when uncertain);
+    every row up to and including the first that differs is exact, so greedy acceptance reads only those."""
+    rng = np.random.default_rng(3)
+    e = rng.normal(0, 0.05, (300, 32)).astype(np.float32)
+    full, chained = head_graph(e, 1), head_graph(e, 1, chain=True)
+    skipped = 0
+    for trial in range(30):
+        h = rng.normal(0, 1, (6, 32)).astype(np.float32)
+        argmax = full.run(None, {"h": h, "greedy": np.array([False])})[0].argmax(1)
+        fed = rng.integers(0, 300, 5)
+        keep = int(rng.integers(0, 5))
+        fed[:keep] = argmax[:keep]  # the first `keep` drafts are right, then (almost surely) one is wrong
+        ids, unsure = chained.run(None, {"h": h, "greedy": np.array([True]), "next": np.append(fed, -1)})[1:]
+        assert ids_wrong(ids, argmax, fed) == 0 and unsure <= len(h)
+        skipped += int((ids == -2).sum())
+        all_right = chained.run(None, {"h": h, "greedy": np.array([True]), "next": np.append(argmax[:5], -1)})[1]
+        np.testing.assert_array_equal(all_right, argmax)  # every draft right: every row is read
+    assert skipped > 0  # one candidate leaves rows uncertain: after a rejection they were skipped
+
+
+def test_ids_wrong_counts_what_the_contract_forbids():
+    argmax, fed = np.array([4, 7, 1, 9]), np.array([4, 8, 1])  # row 1's argmax differs from its draft
+    assert ids_wrong(np.array([4, 7, -2, -2]), argmax, fed) == 0
+    assert ids_wrong(np.array([4, 7, 1, 9]), argmax, fed) == 0
+    assert ids_wrong(np.array([4, -2, 1, 9]), argmax, fed) == 1  # a row up to the rejection must be exact
+    assert ids_wrong(np.array([4, 7, 3, -2]), argmax, fed) == 1  # after it: exact or -2, never another id
+
+
 def test_a_row_that_is_not_finite_gets_minus_one():
     e = np.random.default_rng(0).normal(0, 0.05, (50, 16)).astype(np.float32)
     h = np.ones((3, 16), np.float32)
@@ -112,7 +146,7 @@ def test_exported_models_pick_the_argmax_through_rollbacks(exported, family):
         model.commit(start)
         logits = model.forward(ids[start:start + 5]).copy()  # a verify pass of 5 rows
         model.commit(start)
-        np.testing.assert_array_equal(model.forward_ids(ids[start:start + 5]), logits.argmax(-1))
+        assert ids_wrong(model.forward_ids(ids[start:start + 5]), logits.argmax(-1), ids[start + 1:start + 5]) == 0
         model.commit(start + 4)
         one = model.forward(ids[start + 4:start + 5], rows=1).copy()
         model.commit(start + 4)
