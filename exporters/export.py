@@ -117,7 +117,7 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
                  atol: float | None = None, report: Callable[[str], None] | None = None,
                  with_hidden_states: bool = False, graph: str | None = None,
                  max_context: int | None = None, int4_compute: str = "fp32",
-                 greedy_head: bool | None = None) -> ExportResult:
+                 greedy_head: bool | None = None, greedy_candidates: int | None = None) -> ExportResult:
     """Export ``src`` (a local Hugging Face model directory, a hub id, or a GGUF file) into ``out``.
 
     ``graph`` is ``fused`` (rlxrt's own graph from the safetensors weights, no torch needed; the default for
@@ -129,7 +129,7 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
     LM head's input) as output ``hidden_states``, for draft heads that read it (``MtpHead``).
     ``int4_compute="int8"`` computes an int4 graph with int8 activations: faster, for plain decoding or a
     draft only (``fused.INT4_INT8``). ``greedy_head`` (None: on for fp32 fused graphs) adds input ``greedy``
-    and output ``next_ids`` (``greedy_head.py``).
+    and output ``next_ids`` (``greedy_head.py``; ``greedy_candidates`` rows checked exactly, default 128).
     """
     variant = _variant(dtype, quantize)
     check_int4_compute(int4_compute, variant == "int4")  # before any work
@@ -157,7 +157,7 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
             spec = steps.run("build", build_graph, config, weights, final / GRAPH, capacity=max_context,
                              with_hidden=with_hidden_states, quantize="int4" if variant == "int4" else None,
                              dtype="float16" if variant == "float16" else "float32", int4_compute=int4_compute,
-                             greedy_head=greedy_head)
+                             greedy_head=greedy_head, greedy_candidates=greedy_candidates)
             del weights
             layout, task, family = fused_layout(spec, with_hidden_states), FUSED_TASK, FAMILIES["attention"]
             stack = _torch_stack() if validate_export else None

@@ -103,7 +103,7 @@ class Spec:
     """The numbers of a Llama-style config.json the graph needs."""
 
     def __init__(self, config: dict, capacity: int | None, quantize: str | None = None, dtype: str = "float32",
-                 int4_compute: str = "fp32", greedy_head: bool | None = None):
+                 int4_compute: str = "fp32", greedy_head: bool | None = None, greedy_candidates: int | None = None):
         why_not = unsupported(config)
         if why_not:
             raise ExportError(f"{why_not}; export with --graph portable")
@@ -146,6 +146,11 @@ class Spec:
         self.greedy_head = pays if greedy_head is None else bool(greedy_head)
         """Input ``greedy`` and output ``next_ids``: the exact argmax through int8 candidates (greedy_head.py);
         by default where the LM head is large enough to pay for it (``greedy_head.MIN_SIZE``)."""
+        from .greedy_head import CANDIDATES
+
+        self.greedy_candidates = int(greedy_candidates) if greedy_candidates is not None else min(CANDIDATES, self.vocab)
+        if not 1 <= self.greedy_candidates <= self.vocab:
+            raise ExportError(f"greedy_candidates {greedy_candidates}: 1..{self.vocab} (the vocabulary)")
 
     def _window(self, c: dict, i: int) -> int:
         """transformers' sliding window of layer i: mistral on every layer (4096 when unset); qwen2 only when
@@ -316,7 +321,7 @@ class Builder(Nodes):
             from .greedy_head import add
 
             table = "embed.weight" if s.tied else self.weight("lm_head.rows", self.take("lm_head.weight"))
-            out, ids = add(self, flat, table, next_tokens=self.next_tokens())
+            out, ids = add(self, flat, table, s.greedy_candidates, self.next_tokens())
             self.node("Unsqueeze", [ids, self.const("axis0", [0])], "next_ids")
             return self.node("Unsqueeze", [out, self.const("axis0", [0])], "logits")
         if s.tied:
@@ -398,13 +403,14 @@ def fused_layout(spec: Spec, with_hidden: bool) -> dict:
 
 def build_graph(config: dict, weights: dict[str, np.ndarray], path: Path, *, capacity: int | None = None,
                 with_hidden: bool = False, quantize: str | None = None, dtype: str = "float32",
-                int4_compute: str = "fp32", greedy_head: bool | None = None) -> Spec:
+                int4_compute: str = "fp32", greedy_head: bool | None = None,
+                greedy_candidates: int | None = None) -> Spec:
     """Write the fused graph of ``config``/``weights`` to ``path`` (weights in ``path.name + '.data'``);
     ``quantize="int4"`` stores the MatMul weights as int4 blocks (``INT4``; ``int4_compute="int8"``:
     ``INT4_INT8``)."""
     import onnx
 
-    spec = Spec(config, capacity, quantize, dtype, int4_compute, greedy_head)
+    spec = Spec(config, capacity, quantize, dtype, int4_compute, greedy_head, greedy_candidates)
     model = Builder(spec, weights).build(with_hidden)
     onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
               location=path.name + ".data", size_threshold=1024)

@@ -364,7 +364,7 @@ class Session:
                 if ids_only:  # greedy over a graph with a greedy head: the argmax ids, no logits
                     top = target.forward_ids(feed)
                     t2 = time.perf_counter()
-                    if top.min() < 0:
+                    if top.min() < 0 and (top == -1).any():  # -1: not finite; -2: after a rejection, not read
                         raise GenerationError(NAN)
                     verify = VerifyResult(None, hidden=target.hidden)
                     decision = greedy_accept(top, drafted)

@@ -82,18 +82,19 @@ class _Exports:
 
     def __call__(self, family: str, seed: int = 0, dtype: str = "fp32", quantize: str | None = None,
                  with_hidden: bool = False, graph: str | None = None, greedy_head: bool | None = None,
-                 **kw) -> Path:
+                 greedy_candidates: int | None = None, **kw) -> Path:
         """The export of a random-init ``family`` model; ``graph`` None is rlxrt's default (fused for llama,
         qwen2 and mistral in fp32 with a head size that is a multiple of 16, else portable); ``greedy_head``
         None is the default too (off for these tiny vocabularies)."""
         import rlxrt
 
-        key = ("onnx", family, seed, dtype, quantize, with_hidden, graph, greedy_head, tuple(sorted(kw.items())))
+        key = ("onnx", family, seed, dtype, quantize, with_hidden, graph, greedy_head, greedy_candidates,
+               tuple(sorted(kw.items())))
         if key not in self.done:
             src = self.source(family, seed, **kw)
             out = self.root / f"onnx-{family}-{seed}-{dtype}-{quantize}-{graph}-{len(self.done)}"
             rlxrt.export(src, out, dtype=dtype, quantize=quantize, with_hidden_states=with_hidden, graph=graph,
-                         greedy_head=greedy_head)
+                         greedy_head=greedy_head, greedy_candidates=greedy_candidates)
             self.done[key] = out
         return self.done[key]
 

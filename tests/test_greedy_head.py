@@ -155,6 +155,20 @@ def test_exported_models_pick_the_argmax_through_rollbacks(exported, family):
 
 
 @pytest.mark.export
+@pytest.mark.parametrize("k", [2, 5])
+def test_speculation_through_a_head_that_rarely_certifies_is_exact(exported, k):
+    """One candidate of 320: most rows fall back to the Gemm, rows after a rejection read -2; the session
+    accepts only rows up to the first rejection, so the output still equals plain decoding's."""
+    target = exported("llama", greedy_head=True, greedy_candidates=1)
+    plain = Session(exported("llama"), None, CFG).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+    session = Session(target, DraftModel(exported("llama", seed=1), CFG), CFG, k=k)
+    g = session.generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+    model = session.target
+    assert g.token_ids == plain.token_ids and g.stats.accepted < g.stats.drafted  # rejections happened
+    assert 0 < model.greedy_fallbacks < model.greedy_rows  # both paths ran
+
+
+@pytest.mark.export
 @pytest.mark.parametrize("k", [1, 4])
 def test_a_draft_model_with_the_head_drafts_from_ids(exported, k):
     """The target itself as its draft, both with the head: every drafted id is the target's own argmax."""

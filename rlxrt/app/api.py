@@ -9,7 +9,7 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32
            force: bool = False, validate: bool = True, atol: float | None = None,
            report: Callable[[str], None] | None = None, with_hidden_states: bool = False,
            graph: str | None = None, max_context: int | None = None, int4_compute: str = "fp32",
-           greedy_head: bool | None = None):
+           greedy_head: bool | None = None, greedy_candidates: int | None = None):
     """Export a Hugging Face causal LM (local directory or hub id) to an rlxrt model directory.
 
     Returns ``rlxrt.exporters.ExportResult`` (path, manifest, seconds per step).
@@ -22,7 +22,8 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32
     (with ``quantize="int4"``) computes with int8 activations: faster plain decoding, but a Session refuses
     to speculate over such a target (drafts may use it). ``greedy_head`` (default: on for fp32 fused graphs)
     adds the exact argmax through int8 candidates that greedy decoding reads instead of the logits
-    (``rlxrt.exporters.greedy_head``); False leaves it out.
+    (``rlxrt.exporters.greedy_head``); False leaves it out. ``greedy_candidates`` (default 128) is how many
+    rows it computes exactly: fewer cost less and send more rows to the full Gemm.
     """
     from rlxrt.checks import as_bool, as_float, as_int
     from rlxrt.errors import ExportError
@@ -39,7 +40,9 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32
                         validate_export=validate, atol=atol, report=report,
                         with_hidden_states=with_hidden_states, graph=graph, max_context=max_context,
                         int4_compute=int4_compute,
-                        greedy_head=None if greedy_head is None else as_bool(greedy_head, "greedy_head", ExportError))
+                        greedy_head=None if greedy_head is None else as_bool(greedy_head, "greedy_head", ExportError),
+                        greedy_candidates=None if greedy_candidates is None else
+                        as_int(greedy_candidates, "greedy_candidates", 1, error=ExportError))
 
 
 def runner(graph_path: str | os.PathLike) -> Callable[[dict], dict]:
