@@ -136,21 +136,12 @@ class Spec:
         self.quantization = (INT4_INT8 if int4_compute == "int8" else INT4) if self.int4 else None
         self.dtype = dtype
         """What the graph computes in and keeps its cache in; logits and hidden states leave it as float32."""
-        plain_fp32 = dtype == "float32" and not self.int4
-        if greedy_head and not plain_fp32:
-            raise ExportError("the greedy head (next_ids) is built for float32 graphs without int4; drop "
-                              "--greedy-head or export float32")
-        from .greedy_head import MIN_SIZE
+        from .greedy_head import choose
 
-        pays = plain_fp32 and self.vocab * self.hidden >= MIN_SIZE
-        self.greedy_head = pays if greedy_head is None else bool(greedy_head)
+        self.greedy_head, self.greedy_candidates = choose(dtype == "float32" and not self.int4, self.vocab,
+                                                          self.hidden, greedy_head, greedy_candidates)
         """Input ``greedy`` and output ``next_ids``: the exact argmax through int8 candidates (greedy_head.py);
         by default where the LM head is large enough to pay for it (``greedy_head.MIN_SIZE``)."""
-        from .greedy_head import CANDIDATES
-
-        self.greedy_candidates = int(greedy_candidates) if greedy_candidates is not None else min(CANDIDATES, self.vocab)
-        if not 1 <= self.greedy_candidates <= self.vocab:
-            raise ExportError(f"greedy_candidates {greedy_candidates}: 1..{self.vocab} (the vocabulary)")
 
     def _window(self, c: dict, i: int) -> int:
         """transformers' sliding window of layer i: mistral on every layer (4096 when unset); qwen2 only when
@@ -318,10 +309,10 @@ class Builder(Nodes):
         last = "logits" if s.dtype == "float32" else "logits.compute"
         flat = self.node("Reshape", [rows, self.const("flat", [-1, s.hidden])], "rows2d")
         if s.greedy_head:
-            from .greedy_head import add
+            from .greedy_head import add, next_tokens
 
             table = "embed.weight" if s.tied else self.weight("lm_head.rows", self.take("lm_head.weight"))
-            out, ids = add(self, flat, table, s.greedy_candidates, self.next_tokens())
+            out, ids = add(self, flat, table, s.greedy_candidates, next_tokens(self))
             self.node("Unsqueeze", [ids, self.const("axis0", [0])], "next_ids")
             return self.node("Unsqueeze", [out, self.const("axis0", [0])], "logits")
         if s.tied:
@@ -329,15 +320,6 @@ class Builder(Nodes):
         else:
             out = self.node("MatMul", [flat, self.weight("lm_head.weight", self.take("lm_head.weight").T)], "logits2d")
         return self.to_float32(self.node("Unsqueeze", [out, self.const("axis0", [0])], last), "logits")
-
-    def next_tokens(self) -> str:
-        """[rows] int64: the token fed after each of the last ``num_logits`` rows (a draft that row verifies),
-        -1 after the last one."""
-        start = self.node("Add", [self.node("Sub", [self.node("Shape", ["input_ids"], "fed_len", start=1),
-                                                    "num_logits"], "first_row"), self.const("one", [1])], "first_fed")
-        fed = self.node("Slice", [self.node("Reshape", ["input_ids", self.const("flat_ids", [-1])], "ids1d_in"), start,
-                                  self.const("end", [np.iinfo(np.int64).max]), self.const("axis0", [0])], "fed_after")
-        return self.node("Concat", [fed, self.const("none_after", [-1])], "next_tokens", axis=0)
 
     def build(self, with_hidden: bool):
         s = self.spec

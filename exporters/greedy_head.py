@@ -53,6 +53,20 @@ certified id is the argmax of the exactly computed logits; only candidates withi
 the logits may (ONNX Runtime's 5-row and 1-row passes differ by up to 4e-5)."""
 
 
+def choose(plain_fp32: bool, vocab: int, hidden: int, asked: bool | None, candidates: int | None) -> tuple[bool, int]:
+    """(whether a fused graph gets the head, its candidate count): ``asked`` None means where it pays
+    (``MIN_SIZE``); it is built for float32 graphs without int4 only."""
+    from rlxrt.errors import ExportError
+
+    if asked and not plain_fp32:
+        raise ExportError("the greedy head (next_ids) is built for float32 graphs without int4; drop --greedy-head "
+                          "or export float32")
+    count = int(candidates) if candidates is not None else min(CANDIDATES, vocab)
+    if not 1 <= count <= vocab:
+        raise ExportError(f"greedy_candidates {candidates}: 1..{vocab} (the vocabulary)")
+    return (plain_fp32 and vocab * hidden >= MIN_SIZE) if asked is None else bool(asked), count
+
+
 def int8_rows(e: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(W_q [K, V] int8, s [V], bound coefficients [2, V], and the row error d [V]) of the output embedding
     ``e`` [V, K]: symmetric per-row int8, s_v = max|E_v| / 127. Row 0 of the coefficients multiplies |h|_1,
@@ -66,6 +80,17 @@ def int8_rows(e: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
     d = np.abs(e64 - eq).max(1)
     coef = np.stack([d + emax * e.shape[1] * SLACK_PER_K, np.abs(eq).sum(1) * (1 + 2.0 ** -10)])
     return np.ascontiguousarray(q.T), s, np.nextafter(coef.astype(np.float32), np.float32(np.inf)), d
+
+
+def next_tokens(b) -> str:
+    """[rows] int64: the token fed after each of the last ``num_logits`` rows of the fused graph being built by
+    ``b`` (the draft that row verifies), -1 after the last one."""
+    node, const = b.node, b.const
+    start = node("Add", [node("Sub", [node("Shape", ["input_ids"], "fed_len", start=1), "num_logits"], "first_row"),
+                         const("one", [1])], "first_fed")
+    fed = node("Slice", [node("Reshape", ["input_ids", const("flat_ids", [-1])], "ids1d_in"), start,
+                         const("end", [np.iinfo(np.int64).max]), const("axis0", [0])], "fed_after")
+    return node("Concat", [fed, const("none_after", [-1])], "next_tokens", axis=0)
 
 
 def add(b, flat: str, table: str, candidates: int = CANDIDATES, next_tokens: str | None = None) -> tuple[str, str]:
