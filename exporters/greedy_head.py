@@ -19,6 +19,9 @@ argmax in two stages and returns it as ``next_ids``, exactly:
        is above the C-th largest upper bound, no other row can reach m: the argmax is the candidate with
        logit m (the lowest id among equals, as ArgMax and NumPy pick).
     4. rows that the bound cannot certify fall back to the full fp32 Gemm and ArgMax, in the graph.
+    5. in a fused graph each row also knows the token fed after it (the draft it verifies): a greedy round
+       reads the argmax only up to the first rejected draft, so rows after one known to differ from its next
+       token skip step 4 and read -2 (``next_tokens``; greedy acceptance never reaches them).
 
 Worked example (C = 2, four vocabulary rows): approx = [5.0, 1.0, 4.6, 0.2], bound = 0.5 everywhere, so
 upper = [5.5, 1.5, 5.1, 0.7]; candidates {0, 2} with exact logits [4.8, 5.0]; m = 5.0 > 1.5 (the largest
