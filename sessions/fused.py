@@ -3,7 +3,9 @@
 Each KV tensor is ONE buffer of the manifest's capacity, allocated once per model on the graph's device
 and bound as both the past input and the present output: GroupQueryAttention writes the new positions in
 place. A call sends only the new token ids and three small numbers (the last position, the total length,
-how many logits rows to return); a rollback is nothing but a shorter ``length`` in the next call.
+how many logits rows to return); a rollback is nothing but a shorter ``length`` in the next call. A graph
+with a greedy head (exporters/greedy_head.py) returns each row's argmax instead of its logits when asked
+(``forward_ids``), which greedy rounds use.
 """
 from __future__ import annotations
 
@@ -120,13 +122,14 @@ class FusedKVModel(GraphModel):
 
     def forward_ids(self, tokens, rows: int | None = None) -> np.ndarray:
         """As ``forward``, but returns the argmax of each row's logits [rows] int64 from the graph's greedy
-        head (``greedy_ids``) without computing the logits; -1 marks a row whose hidden state is not finite."""
+        head (``greedy_ids``) without computing the logits. -1 marks a row whose hidden state is not finite;
+        -2 a row after one whose argmax differs from the token fed after it (a rejected draft), not read."""
         return self.forward(tokens, rows, greedy=True)
 
     def forward(self, tokens, rows: int | None = None, greedy: bool = False) -> np.ndarray:
         """Feed ``tokens`` after the first ``length`` positions; returns the logits of the last ``rows``
-        of them (default: all) as [rows, V]. The array (and ``hidden``) is this model's buffer: valid until
-        its next call."""
+        of them (default: all) as [rows, V], or with ``greedy`` their ids (``forward_ids``). The array (and
+        ``hidden``) is this model's buffer: valid until its next call."""
         s = len(tokens)
         end = self.length + s
         if end > self.max_positions:
@@ -136,9 +139,9 @@ class FusedKVModel(GraphModel):
         ids, ids_value = self._buffer(self._ids, s, (1, s), np.int64, self._ids_buf)
         ids[0] = tokens
         if greedy:
-            logits, logits_value = self._buffer(self._next, n, (1, n), np.int64, self._next_buf)
+            out, out_value = self._buffer(self._next, n, (1, n), np.int64, self._next_buf)
         else:
-            logits, logits_value = self._buffer(self._out, n, (1, n, self._vocab), np.float32, self._logits_buf)
+            out, out_value = self._buffer(self._out, n, (1, n, self._vocab), np.float32, self._logits_buf)
         hidden = None
         if self._hidden_buf is not None:
             hidden, hidden_value = self._buffer(self._hid, s, (1, s, self._hidden_buf.shape[2]), np.float32,
@@ -151,8 +154,8 @@ class FusedKVModel(GraphModel):
             b.bind_ortvalue_input(self._ids_name, ids_value)
             if self.greedy_ids:
                 self._greedy[0] = greedy
-                b.bind_ortvalue_output(self._next_name, logits_value if greedy else self._no_ids)
-            b.bind_ortvalue_output(self._logits, self._no_logits if greedy else logits_value)
+                b.bind_ortvalue_output(self._next_name, out_value if greedy else self._no_ids)
+            b.bind_ortvalue_output(self._logits, self._no_logits if greedy else out_value)
             if hidden is not None:
                 b.bind_ortvalue_output(self._hidden_name, hidden_value)
             self._bound = (s, n, greedy)
@@ -164,7 +167,7 @@ class FusedKVModel(GraphModel):
         self.length = end
         if hidden is not None:
             self.hidden = hidden[0]
-        return logits[0]
+        return out[0]
 
     def commit(self, length: int) -> None:
         """Keep only the first ``length`` positions: the next call writes over the rest."""
