@@ -197,6 +197,13 @@ def test_int4_with_int8_compute_decodes_plainly_and_drafts_but_is_never_verified
               for a in n.attribute if a.name == "accuracy_level"}
     assert levels == {4}
     assert len(Session(fast, None, CFG).generate(PROMPT, max_new_tokens=12, ignore_eos=True).token_ids) == 12
+    from rlxrt.app.cli import main  # distill writes its text on such a graph, decoding plainly
+
+    prompts, corpus = tmp_path / "prompts.json", tmp_path / "corpus.json"
+    prompts.write_text(json.dumps([PROMPT]))
+    assert main(["distill", str(fast), "--prompts", str(prompts), "--out", str(corpus), "--max-new-tokens", "8",
+                 "--temperatures", "0", "--threads", "1", "--quiet"]) == 0
+    assert json.loads(corpus.read_text()) == [PROMPT + Session(fast, None, CFG).generate(PROMPT, max_new_tokens=8).text]
     for spec in (PromptLookup(), DraftModel(fast, CFG)):
         with pytest.raises(GenerationError, match="int8 activations.*--int4-compute fp32"):
             Session(fast, spec, CFG)

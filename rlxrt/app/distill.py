@@ -3,9 +3,10 @@ for ``rlxrt train-head`` (self-distillation).
 
 A head drafts best on the text it will meet when drafting: the target's own replies. Each prompt is rendered
 with the target's chat template when it has one (a user turn), the target replies (rlxrt Session, prompt
-lookup to go faster: exact, so the replies are the target's own), and the rendered prompt plus the reply
-(plus the end-of-turn token when the reply ended with it) is one document of the output: a JSON list of
-texts, written after every reply, so that a stopped run continues where it stopped. Temperatures cycle over
+lookup to go faster: exact, so the replies are the target's own; plainly on an int4 graph computed with int8
+activations, which refuses speculation and writes text fastest), and the rendered prompt plus the reply (plus
+the end-of-turn token when the reply ended with it) is one document of the output: a JSON list of texts,
+written after every reply, so that a stopped run continues where it stopped. Temperatures cycle over
 the prompts (``--temperatures 0,0.7``: half greedy, half sampled with a per-prompt seed).
 
 With no instructions at hand, ``--self-prompts N`` lets the target write them too (as Magpie does): from its
@@ -113,6 +114,7 @@ def read_prompts(path: str, flag: str = "--prompts") -> list[str]:
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
+    from rlxrt.backends import compile
     from rlxrt.sessions import PromptLookup, Session
 
     from .cli import _config
@@ -135,7 +137,10 @@ def cmd_distill(args: argparse.Namespace) -> int:
     docs = read_json(out, "--out") if out.is_file() else []
     if not isinstance(docs, list):
         raise UsageError(f"--out {args.out!r} exists and is not a JSON list; pass a new path")
-    session = Session(args.target, PromptLookup(), _config(args, intra_op_threads=2))
+    config = _config(args, intra_op_threads=2)
+    graph = compile(args.target, config)
+    plain = (graph.manifest.quantization or {}).get("speculation") is False  # int8 activations: no speculator
+    session = Session(graph, None if plain else PromptLookup())
     if args.self_prompts:
         prompts += _self_prompts(session, args, out, exclude)
     prompts = prompts[:args.limit]
