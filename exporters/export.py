@@ -20,6 +20,7 @@ from typing import Callable
 from rlxrt.errors import ExportError, RlxrtError
 from rlxrt.manifest import Manifest
 
+from . import gguf_blocks
 from .chat_template import save_chat
 from .deps import require_export_stack, versions
 from .families import FAMILIES, family_for
@@ -128,7 +129,8 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
     without them records that it was not validated. ``with_hidden_states`` adds the last hidden state (the
     LM head's input) as output ``hidden_states``, for draft heads that read it (``MtpHead``).
     ``int4_compute="int8"`` computes an int4 graph with int8 activations: faster, for plain decoding or a
-    draft only (``fused.INT4_INT8``). ``greedy_head`` (None: on for fp32 fused graphs) adds input ``greedy``
+    draft only (``fused.INT4_INT8``). int4 from a GGUF keeps the file's own Q4_0/Q4_1/Q8_0 blocks
+    (``gguf_blocks``). ``greedy_head`` (None: on for fp32 fused graphs) adds input ``greedy``
     and output ``next_ids`` (``greedy_head.py``; ``greedy_candidates`` rows checked exactly, default 128).
     """
     variant = _variant(dtype, quantize)
@@ -154,11 +156,14 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
         final.mkdir()
         if kind == "fused":
             weights = steps.run("read", read_weights, src_dir)
+            blocks = None
+            if gguf is not None and variant == "int4":  # the GGUF's own 4-bit blocks, not quantised twice
+                blocks = steps.run("blocks", gguf_blocks.matched, gguf, weights, config)
             spec = steps.run("build", build_graph, config, weights, final / GRAPH, capacity=max_context,
                              with_hidden=with_hidden_states, quantize="int4" if variant == "int4" else None,
                              dtype="float16" if variant == "float16" else "float32", int4_compute=int4_compute,
-                             greedy_head=greedy_head, greedy_candidates=greedy_candidates)
-            del weights
+                             greedy_head=greedy_head, greedy_candidates=greedy_candidates, blocks=blocks)
+            del weights, blocks
             layout, task, family = fused_layout(spec, with_hidden_states), FUSED_TASK, FAMILIES["attention"]
             stack = _torch_stack() if validate_export else None
             torch, transformers = stack or (None, None)

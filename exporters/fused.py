@@ -205,9 +205,13 @@ class Nodes:
 class Builder(Nodes):
     """Collects nodes and initializers; each method adds one block and returns its output name."""
 
-    def __init__(self, spec: Spec, weights: dict[str, np.ndarray]):
+    def __init__(self, spec: Spec, weights: dict[str, np.ndarray], blocks: dict | None = None):
         super().__init__()
         self.spec, self.w, self.consts = spec, weights, set()
+        self.blocks = blocks or {}
+        """A GGUF's own blocks by weight name (``gguf_blocks.matched``), used instead of quantising."""
+        self.stored: dict[str, str] = {}
+        """How each weight of an int4 graph from a GGUF is stored: its block type, float32, or int4 quantised here."""
 
     def weight(self, name: str, array: np.ndarray) -> str:
         """An initializer; float weights are stored in the graph's compute type."""
@@ -241,14 +245,56 @@ class Builder(Nodes):
         if not self.spec.int4:
             return self.node("MatMul", [x, self.weight(f"{out}.weight", w)], out)
         packed, scales = int4_blocks(w, INT4["block_size"])
-        return self.node("MatMulNBits", [x, self.weight(f"{out}.q4", packed), self.weight(f"{out}.scales", scales)],
-                         out, domain=MS, K=w.shape[0], N=w.shape[1], bits=4, block_size=INT4["block_size"],
+        return self.nbits(x, packed, scales, w.shape[0], out)
+
+    def nbits(self, x: str, packed: np.ndarray, scales: np.ndarray, k: int, out: str, bits: int = 4) -> str:
+        return self.node("MatMulNBits", [x, self.weight(f"{out}.q{bits}", packed),
+                                         self.weight(f"{out}.scales", scales)],
+                         out, domain=MS, K=k, N=packed.shape[0], bits=bits, block_size=INT4["block_size"],
                          accuracy_level=self.spec.quantization["accuracy_level"])
+
+    def store(self, keys: list[str], b) -> str:
+        """How weights ``keys`` (stacked blocks ``b``, or None) go into an int4 graph: "blocks" (the GGUF's
+        own), "float32" (8-bit blocks at accuracy level 0) or "int4" (quantised here); recorded in ``stored``."""
+        if not self.spec.int4:
+            return "float"
+        how = "int4" if b is None else "blocks" if b.bits == 4 or self.spec.quantization["accuracy_level"] == 4 \
+            else "float32"
+        if self.blocks:
+            for k in keys:
+                self.stored[k] = self.blocks[k].kind if how == "blocks" else how
+        return how
+
+    def gguf_matmul(self, x: str, b, out: str) -> str:
+        """x @ W^T for a GGUF's own blocks ``b`` (W [N, K]): MatMulNBits computes scale * (code - zero); a
+        Q4_1 block's shift (m + 8 d) adds the block sums of x times the shifts, a [blocks, N] MatMul."""
+        blocks = b.scale.shape[1]
+        packed = b.codes if b.bits == 8 else b.codes[..., 0::2] | (b.codes[..., 1::2] << 4)
+        y = self.nbits(x, packed, b.scale.reshape(-1), blocks * INT4["block_size"],
+                       out if b.shift is None else f"{out}.q", b.bits)
+        if b.shift is None:
+            return y
+        shape = self.const(f"blocks{blocks}", [0, 0, blocks, INT4["block_size"]])
+        split = self.node("Reshape", [x, shape], f"{out}.split")
+        sums = self.node("ReduceSum", [split, self.const("axis_last", [-1])], f"{out}.sums", keepdims=0)
+        shift = self.node("MatMul", [sums, self.weight(f"{out}.shift", np.ascontiguousarray(b.shift.T))], f"{out}.s")
+        return self.node("Add", [y, shift], out)
 
     def linear(self, x: str, names: list[str], out: str, bias: bool = False) -> str:
         """x @ W^T for one or several HF Linear weights [out, in] packed side by side."""
-        w = np.concatenate([self.take(f"{n}.weight") for n in names], axis=0).T
-        y = self.matmul(x, w, f"{out}.mm" if bias else out)
+        from .gguf_blocks import Blocks
+
+        keys = [f"{n}.weight" for n in names]
+        b = Blocks.stack([self.blocks[k] for k in keys]) if all(k in self.blocks for k in keys) else None
+        how = self.store(keys, b)
+        if how == "blocks":
+            y = self.gguf_matmul(x, b, f"{out}.mm" if bias else out)
+        elif how == "float32":  # 8-bit GGUF weights at level 0 (see gguf_blocks)
+            w = np.concatenate([self.take(k) for k in keys], axis=0).T
+            y = self.node("MatMul", [x, self.weight(f"{out}.weight", w)], f"{out}.mm" if bias else out)
+        else:
+            w = np.concatenate([self.take(f"{n}.weight") for n in names], axis=0).T
+            y = self.matmul(x, w, f"{out}.mm" if bias else out)
         if bias:
             b = np.concatenate([self.take(f"{n}.bias") for n in names])
             y = self.node("Add", [y, self.weight(f"{out}.bias", b)], out)
@@ -304,8 +350,14 @@ class Builder(Nodes):
         rows = self.node("Slice", [hidden, self.node("Neg", ["num_logits"], "neg_rows"),
                                    self.const("end", [np.iinfo(np.int64).max]), self.const("axis1", [1])], "rows")
         if s.int4:  # MatMulNBits takes [1, rows, H]; the lookup keeps its fp32 embedding
-            w = self.take("model.embed_tokens.weight" if s.tied else "lm_head.weight").T
-            return self.matmul(rows, w, "logits")
+            name = "model.embed_tokens.weight" if s.tied else "lm_head.weight"
+            b = self.blocks.get(name)
+            how = self.store([name], b)
+            if how == "blocks":
+                return self.gguf_matmul(rows, b, "logits")
+            if how == "float32":  # an 8-bit GGUF weight at level 0, not a coarser int4 copy
+                return self.node("MatMul", [rows, self.weight("logits.weight", self.take(name).T)], "logits")
+            return self.matmul(rows, self.take(name).T, "logits")
         last = "logits" if s.dtype == "float32" else "logits.compute"
         flat = self.node("Reshape", [rows, self.const("flat", [-1, s.hidden])], "rows2d")
         if s.greedy_head:
@@ -386,14 +438,26 @@ def fused_layout(spec: Spec, with_hidden: bool) -> dict:
 def build_graph(config: dict, weights: dict[str, np.ndarray], path: Path, *, capacity: int | None = None,
                 with_hidden: bool = False, quantize: str | None = None, dtype: str = "float32",
                 int4_compute: str = "fp32", greedy_head: bool | None = None,
-                greedy_candidates: int | None = None) -> Spec:
+                greedy_candidates: int | None = None, blocks: dict | None = None) -> Spec:
     """Write the fused graph of ``config``/``weights`` to ``path`` (weights in ``path.name + '.data'``);
     ``quantize="int4"`` stores the MatMul weights as int4 blocks (``INT4``; ``int4_compute="int8"``:
-    ``INT4_INT8``)."""
+    ``INT4_INT8``), a GGUF's own ``blocks`` where given (``gguf_blocks.matched``)."""
     import onnx
 
     spec = Spec(config, capacity, quantize, dtype, int4_compute, greedy_head, greedy_candidates)
-    model = Builder(spec, weights).build(with_hidden)
+    builder = Builder(spec, weights, blocks if spec.int4 else None)
+    model = builder.build(with_hidden)
+    if builder.stored:
+        spec.quantization = {**spec.quantization, "gguf": _stored_record(builder.stored)}
     onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
               location=path.name + ".data", size_threshold=1024)
     return spec
+
+
+def _stored_record(stored: dict[str, str]) -> dict:
+    """The manifest's account of an int4 graph from a GGUF: how many weights kept each block type or stayed
+    float32, and the names of those quantised to int4 here (a second rounding; none for Q4_0/Q4_1 files)."""
+    counts: dict[str, int] = {}
+    for how in stored.values():
+        counts[how] = counts.get(how, 0) + 1
+    return {"weights": counts, "quantised_here": sorted(k for k, how in stored.items() if how == "int4")}

@@ -13,7 +13,10 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_dir: Path, path: Path, *, add_bos: bool, chat_template: str | None = None) -> Path:
+def write_gguf(hf_dir: Path, path: Path, *, add_bos: bool, chat_template: str | None = None,
+               quant: dict[str, str] | None = None) -> Path:
+    """``quant`` stores tensors in llama.cpp's block types by their short name, e.g. {"attn_q": "Q4_0",
+    "output": "Q8_0"}; the rest are F32."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -52,20 +55,29 @@ def write_gguf(hf_dir: Path, path: Path, *, add_bos: bool, chat_template: str | 
     if chat_template:
         writer.add_chat_template(chat_template)
     f32 = lambda name: np.ascontiguousarray(w[name], dtype=np.float32)  # noqa: E731
-    writer.add_tensor("token_embd.weight", f32("model.embed_tokens.weight"))
-    writer.add_tensor("output_norm.weight", f32("model.norm.weight"))
-    writer.add_tensor("output.weight", f32("lm_head.weight"))
+
+    def add(name: str, data: np.ndarray) -> None:
+        kind = (quant or {}).get(name.split(".")[-2])
+        if kind is None:
+            writer.add_tensor(name, data)
+        else:
+            qtype = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", f32("model.embed_tokens.weight"))
+    add("output_norm.weight", f32("model.norm.weight"))
+    add("output.weight", f32("lm_head.weight"))
     for i in range(L):
         p = f"model.layers.{i}."
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", f32(p + "input_layernorm.weight"))
-        writer.add_tensor(f"blk.{i}.attn_q.weight", _permute(f32(p + "self_attn.q_proj.weight"), heads))
-        writer.add_tensor(f"blk.{i}.attn_k.weight", _permute(f32(p + "self_attn.k_proj.weight"), kv))
-        writer.add_tensor(f"blk.{i}.attn_v.weight", f32(p + "self_attn.v_proj.weight"))
-        writer.add_tensor(f"blk.{i}.attn_output.weight", f32(p + "self_attn.o_proj.weight"))
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", f32(p + "post_attention_layernorm.weight"))
-        writer.add_tensor(f"blk.{i}.ffn_gate.weight", f32(p + "mlp.gate_proj.weight"))
-        writer.add_tensor(f"blk.{i}.ffn_up.weight", f32(p + "mlp.up_proj.weight"))
-        writer.add_tensor(f"blk.{i}.ffn_down.weight", f32(p + "mlp.down_proj.weight"))
+        add(f"blk.{i}.attn_norm.weight", f32(p + "input_layernorm.weight"))
+        add(f"blk.{i}.attn_q.weight", _permute(f32(p + "self_attn.q_proj.weight"), heads))
+        add(f"blk.{i}.attn_k.weight", _permute(f32(p + "self_attn.k_proj.weight"), kv))
+        add(f"blk.{i}.attn_v.weight", f32(p + "self_attn.v_proj.weight"))
+        add(f"blk.{i}.attn_output.weight", f32(p + "self_attn.o_proj.weight"))
+        add(f"blk.{i}.ffn_norm.weight", f32(p + "post_attention_layernorm.weight"))
+        add(f"blk.{i}.ffn_gate.weight", f32(p + "mlp.gate_proj.weight"))
+        add(f"blk.{i}.ffn_up.weight", f32(p + "mlp.up_proj.weight"))
+        add(f"blk.{i}.ffn_down.weight", f32(p + "mlp.down_proj.weight"))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
