@@ -274,9 +274,12 @@ class Builder(Nodes):
                        out if b.shift is None else f"{out}.q", b.bits)
         if b.shift is None:
             return y
-        shape = self.const(f"blocks{blocks}", [0, 0, blocks, INT4["block_size"]])
-        split = self.node("Reshape", [x, shape], f"{out}.split")
-        sums = self.node("ReduceSum", [split, self.const("axis_last", [-1])], f"{out}.sums", keepdims=0)
+        sums = f"{x}.block_sums"
+        if sums not in self.consts:  # once per input (gate and up read the same one)
+            self.consts.add(sums)
+            shape = self.const(f"blocks{blocks}", [0, 0, blocks, INT4["block_size"]])
+            split = self.node("Reshape", [x, shape], f"{x}.blocks")
+            self.node("ReduceSum", [split, self.const("axis_last", [-1])], sums, keepdims=0)
         shift = self.node("MatMul", [sums, self.weight(f"{out}.shift", np.ascontiguousarray(b.shift.T))], f"{out}.s")
         return self.node("Add", [y, shift], out)
 
@@ -353,13 +356,16 @@ class Builder(Nodes):
             name = "model.embed_tokens.weight" if s.tied else "lm_head.weight"
             b = self.blocks.get(name)
             how = self.store([name], b)
+            if how == "int4":
+                return self.matmul(rows, self.take(name).T, "logits")
             if how == "blocks":
                 return self.gguf_matmul(rows, b, "logits")
-            if how == "float32":  # an 8-bit GGUF weight at level 0, not a coarser int4 copy
-                return self.node("MatMul", [rows, self.weight("logits.weight", self.take(name).T)], "logits")
-            return self.matmul(rows, self.take(name).T, "logits")
-        last = "logits" if s.dtype == "float32" else "logits.compute"
         flat = self.node("Reshape", [rows, self.const("flat", [-1, s.hidden])], "rows2d")
+        if s.int4:  # an 8-bit GGUF weight at accuracy level 0: float32, not a coarser int4 copy
+            out = self.node("Gemm", [flat, "embed.weight"], "logits2d", transB=1) if s.tied else \
+                self.node("MatMul", [flat, self.weight("lm_head.weight", self.take(name).T)], "logits2d")
+            return self.node("Unsqueeze", [out, self.const("axis0", [0])], "logits")
+        last = "logits" if s.dtype == "float32" else "logits.compute"
         if s.greedy_head:
             from .greedy_head import add, next_tokens
 
