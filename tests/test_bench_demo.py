@@ -103,8 +103,10 @@ def test_demo_speculators_on_the_shipped_pair(kind, capsys):
 
 
 def test_smollm2_recipe_keeps_the_bench_prompts_out_of_the_self_written_requests(tmp_path, monkeypatch):
-    """The recipe's wiring, its steps recorded instead of run: the self-written requests exclude the held-out
-    bench prompts, the head trains on all three corpora, and steps whose output exists are skipped."""
+    """The recipe's wiring, its steps recorded instead of run: the corpus is written by the int4 export that
+    computes with int8 activations, in two lanes side by side; the self-written requests (and only they)
+    exclude the held-out bench prompts; the head trains on all the corpora; steps whose output exists are
+    skipped."""
     from rlxrt.app import smollm2
 
     calls = []
@@ -118,17 +120,22 @@ def test_smollm2_recipe_keeps_the_bench_prompts_out_of_the_self_written_requests
     monkeypatch.setattr(smollm2, "_run", lambda cmd: calls.append(cmd[3:]))
     (tmp_path / "corpus.json").write_text("[]")
     smollm2.build(tmp_path)
-    assert [c[:2] for c in calls] == [["export", "target"], ["distill", str(tmp_path / "target")],
-                                      ["export", "int4"], ["distill", str(tmp_path / "int4")],
-                                      ["train-head", str(tmp_path / "target")]]
-    own = calls[3]
+    assert calls[:2] == [["export", "target", "--with-hidden-states"],
+                         ["export", "text", "--quantize", "int4", "--int4-compute", "int8"]]
+    distills, train = calls[2:-1], calls[-1]
+    assert len(distills) == 3 and all(c[:2] == ["distill", str(tmp_path / "text")] for c in distills)
+    outs = {c[c.index("--out") + 1]: c for c in distills}
+    assert sorted(outs) == sorted(str(tmp_path / n) for n in ("distill.json", "self-a.json", "self-b.json"))
+    for out, c in outs.items():
+        assert ("--exclude" in c) == ("--self-prompts" in c) == (not out.endswith("distill.json"))
+    own = outs[str(tmp_path / "self-a.json")]
     held_out = own[own.index("--exclude") + 1]
     assert json.loads(open(held_out).read()) == smollm2.BENCH_PROMPTS and len(set(smollm2.BENCH_PROMPTS)) == 16
     instructions = json.loads((tmp_path / "distill-prompts.json").read_text())
     assert len(instructions) > 400 and not set(smollm2.BENCH_PROMPTS) & set(instructions)
-    train = calls[4]
+    assert train[:2] == ["train-head", str(tmp_path / "target")]
     assert train[train.index("--corpus") + 1:train.index("--out")] == [
-        str(tmp_path / n) for n in ("self.json", "distill.json", "corpus.json")]
+        str(tmp_path / n) for n in ("self-a.json", "self-b.json", "distill.json", "corpus.json")]
     calls.clear()
     (tmp_path / "head").mkdir()
     (tmp_path / "head" / "rlxrt.json").write_text("{}")
