@@ -28,6 +28,8 @@ import numpy as np
 from rlxrt.errors import ExportError
 from rlxrt.manifest import KVCacheLayout
 
+from .gguf_blocks import Blocks
+
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 TASK = "text-generation-fused"
 OPSET, MS = 17, "com.microsoft"
@@ -285,19 +287,16 @@ class Builder(Nodes):
 
     def linear(self, x: str, names: list[str], out: str, bias: bool = False) -> str:
         """x @ W^T for one or several HF Linear weights [out, in] packed side by side."""
-        from .gguf_blocks import Blocks
-
-        keys = [f"{n}.weight" for n in names]
+        keys, y = [f"{n}.weight" for n in names], f"{out}.mm" if bias else out
         b = Blocks.stack([self.blocks[k] for k in keys]) if all(k in self.blocks for k in keys) else None
         how = self.store(keys, b)
         if how == "blocks":
-            y = self.gguf_matmul(x, b, f"{out}.mm" if bias else out)
-        elif how == "float32":  # 8-bit GGUF weights at level 0 (see gguf_blocks)
-            w = np.concatenate([self.take(k) for k in keys], axis=0).T
-            y = self.node("MatMul", [x, self.weight(f"{out}.weight", w)], f"{out}.mm" if bias else out)
+            y = self.gguf_matmul(x, b, y)
         else:
-            w = np.concatenate([self.take(f"{n}.weight") for n in names], axis=0).T
-            y = self.matmul(x, w, f"{out}.mm" if bias else out)
+            w = np.concatenate([self.take(k) for k in keys], axis=0).T
+            # 8-bit GGUF weights at accuracy level 0 stay float32 (see gguf_blocks)
+            y = self.node("MatMul", [x, self.weight(f"{y}.weight", w)], y) if how == "float32" else \
+                self.matmul(x, w, y)
         if bias:
             b = np.concatenate([self.take(f"{n}.bias") for n in names])
             y = self.node("Add", [y, self.weight(f"{out}.bias", b)], out)
