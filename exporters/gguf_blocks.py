@@ -89,7 +89,7 @@ def parse(kind: str, raw: np.ndarray) -> Blocks:
 
 
 def read(path: Path) -> dict[str, Blocks]:
-    """The Q4_0 and Q4_1 tensors of a GGUF file by their GGUF names."""
+    """The Q4_0, Q4_1 and Q8_0 matrices of a GGUF file by their GGUF names."""
     from gguf import GGUFReader
 
     out = {}
@@ -119,7 +119,7 @@ def unpermute(rows: int, heads: int) -> np.ndarray | None:
 
 
 def matched(path: Path, weights: dict[str, np.ndarray], config: dict) -> dict[str, Blocks]:
-    """The GGUF's 4-bit blocks of each Hugging Face weight they reproduce (``MATCH``), under their stored row
+    """The GGUF's blocks of each Hugging Face weight they reproduce (``MATCH``), under their stored row
     order or the one that undoes llama.cpp's q/k permutation; other tensors are left out."""
     heads = int(config.get("num_attention_heads", 0))
     kv = int(config.get("num_key_value_heads", heads) or heads)

@@ -82,7 +82,7 @@ def build(work: Path) -> None:
     if not (work / "target" / "rlxrt.json").is_file():
         _export(work, "target", "--with-hidden-states")
     if not (work / "head" / "rlxrt.json").is_file():
-        corpus, prompts, dialogues = work / "corpus.json", work / "distill-prompts.json", work / "distill.json"
+        corpus, prompts = work / "corpus.json", work / "distill-prompts.json"
         if not corpus.is_file():
             from rlxrt.exporters.reference.corpus import split
 
