@@ -26,6 +26,7 @@ from rlxrt.errors import ModelFormatError, ProviderError
 from rlxrt.manifest import Manifest
 from rlxrt.providers import short_name
 
+from . import cpu_matmul
 from ._ort import ort_errors
 from .contract import check_contract
 from .hugepages import HugePages, collapse_new, resident_chunks
@@ -77,6 +78,8 @@ class CompiledGraph:
     """The exception classes this session's ``run`` raises on an ONNX Runtime failure."""
     huge_pages: HugePages = field(default_factory=lambda: HugePages("off: not requested"), repr=False)
     """The move of the weights onto huge pages (CPU sessions): ``.state``, ``.wait()``."""
+    cpu_matmul: str = "off: not requested"
+    """Whether rlxrt's MatMul kernel replaced ONNX Runtime's (``on: N MatMuls, …`` or ``off: why``)."""
 
     @property
     def input_names(self) -> list[str]:
@@ -90,6 +93,7 @@ class CompiledGraph:
         return {
             "path": str(self.path), "providers": self.providers, "requested": self.requested,
             "fallbacks": self.fallbacks, "cache": self.cache, "huge_pages": self.huge_pages.state,
+            "cpu_matmul": self.cpu_matmul,
             "cache_path": str(self.cache_path) if self.cache_path else None,
             "load_seconds": round(self.load_seconds, 4),
             "inputs": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in self.inputs],
@@ -141,13 +145,15 @@ def session_options(ort, config: Config, level: str | None = None):
             f"{ort.__version__}; use one of basic, extended, all"
         )
     opts.graph_optimization_level = getattr(ort.GraphOptimizationLevel, name)
+    cpu_matmul.register(opts)
     return opts
 
 
-def _cache_key(model_hash: str, ort_version: str, res: Resolution, config: Config) -> str:
+def _cache_key(model_hash: str, ort_version: str, res: Resolution, config: Config, matmul: str) -> str:
     blob = json.dumps({
         "layout": CACHE_LAYOUT, "model": model_hash, "ort": ort_version,
         "providers": res.providers, "level": config.graph_optimization, "machine": machine_fingerprint(),
+        "matmul": matmul,
     }, sort_keys=True)
     return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
 
@@ -175,9 +181,11 @@ def compile(model: str | os.PathLike, config: Config | None = None, *,
     registry = registry or default_registry()
     start = time.perf_counter()
     graph_path, manifest = locate(model)
-    _, ext_files = external_files(graph_path)
+    proto, ext_files = external_files(graph_path)
     res = registry.resolve(config)
     ort = registry.ort
+    matmul = cpu_matmul.plan(proto, config.cpu_matmul, res.names[0] if res.names else "cpu")
+    del proto
 
     cache_state, cache_path, session = "off", None, None
     before = resident_chunks() if config.huge_pages else None
@@ -187,9 +195,9 @@ def compile(model: str | os.PathLike, config: Config | None = None, *,
     elif non_cacheable:
         cache_state = f"off: {', '.join(non_cacheable)} compiles nodes at load; ORT cannot save them"
     else:
-        session, cache_state, cache_path = _cached_session(ort, graph_path, ext_files, config, res)
+        session, cache_state, cache_path = _cached_session(ort, graph_path, ext_files, config, res, matmul)
     if session is None:
-        session = _make_session(ort, graph_path, session_options(ort, config), res)
+        session = _fresh_session(ort, graph_path, session_options(ort, config), res, matmul)
 
     used = [short_name(p) for p in session.get_providers()]
     fallbacks = list(res.fallbacks)
@@ -214,26 +222,50 @@ def compile(model: str | os.PathLike, config: Config | None = None, *,
         session=session, path=graph_path, manifest=manifest, providers=used,
         requested=list(config.providers), fallbacks=fallbacks, inputs=inputs, outputs=outputs,
         cache=cache_state, cache_path=cache_path, load_seconds=time.perf_counter() - start, config=config,
-        errors=ort_errors(ort), huge_pages=pages,
+        errors=ort_errors(ort), huge_pages=pages, cpu_matmul=matmul.state,
     )
 
 
-def _cached_session(ort, graph_path: Path, ext_files: list[Path], config: Config, res: Resolution):
+def _fresh_session(ort, graph_path: Path, opts, res: Resolution, matmul: cpu_matmul.Plan, work: Path | None = None):
+    """A session of the graph, with rlxrt's MatMul put in first when planned: the rewritten graph is written to
+    ``work`` (a temporary directory when None) and removed once ONNX Runtime has read it."""
+    if not matmul.nodes:
+        return _make_session(ort, graph_path, opts, res)
+    own = work is None
+    try:
+        work = Path(tempfile.mkdtemp(prefix=".rlxrt-matmul-")) if own else work
+        source = cpu_matmul.rewritten(graph_path, matmul, work)
+    except OSError as exc:  # nowhere to write it: ONNX Runtime's MatMul, said so
+        matmul.nodes, matmul.state = [], f"off: the rewritten graph could not be written ({exc})"
+        log.warning("rlxrt's MatMul is %s", matmul.state[5:])
+        return _make_session(ort, graph_path, opts, res)
+    try:
+        return _make_session(ort, source, opts, res)
+    finally:
+        for f in (source, source.with_name(source.name + ".data")):
+            f.unlink(missing_ok=True)
+        if own:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _cached_session(ort, graph_path: Path, ext_files: list[Path], config: Config, res: Resolution,
+                    matmul: cpu_matmul.Plan):
     """(session, cache state, entry): the cached optimised graph, or a fresh compile written into the cache.
     A cache that cannot be used (read-only, a file, a full disk) gives (None, "off: why", None): the caller
     compiles without it; a bad model still fails as a bad model."""
     root = Path(config.cache_dir)
     model_hash = content_hash([graph_path, *ext_files], memo_dir=root / "hashes")
-    entry = root / "graphs" / _cache_key(model_hash, ort.__version__, res, config)
+    entry = root / "graphs" / _cache_key(model_hash, ort.__version__, res, config,
+                                         f"{cpu_matmul.KERNEL_VERSION}|{matmul.state}")
     session = _load_cached(ort, entry, config, res)
     if session is not None:
         return session, "hit", entry
     try:
-        return _compile_into_cache(ort, graph_path, entry, config, res), "miss", entry
+        return _compile_into_cache(ort, graph_path, entry, config, res, matmul), "miss", entry
     except OSError as exc:
         why = exc.strerror or str(exc)
     except ModelFormatError as exc:  # ORT may fail writing the optimised graph: is it the model or the cache?
-        _make_session(ort, graph_path, session_options(ort, config), res)  # raises if it is the model
+        _fresh_session(ort, graph_path, session_options(ort, config), res, matmul)  # raises if it is the model
         why = f"ONNX Runtime could not write the optimised graph there ({str(exc)[:200]})"
     state = f"off: cache dir {config.cache_dir!r} is unusable ({why})"
     log.warning("compiling %s without the cache: %s", graph_path, state[5:])
@@ -270,7 +302,8 @@ def _entry_problem(entry: Path) -> str | None:
     return None
 
 
-def _compile_into_cache(ort, graph_path: Path, entry: Path, config: Config, res: Resolution):
+def _compile_into_cache(ort, graph_path: Path, entry: Path, config: Config, res: Resolution,
+                        matmul: cpu_matmul.Plan):
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
     try:
@@ -280,7 +313,7 @@ def _compile_into_cache(ort, graph_path: Path, entry: Path, config: Config, res:
                                       "model.onnx.data")
         opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
                                       "1024")
-        session = _make_session(ort, graph_path, opts, res)
+        session = _fresh_session(ort, graph_path, opts, res, matmul, work=tmp)
         sizes = {f.name: f.stat().st_size for f in tmp.iterdir()}
         (tmp / "meta.json").write_text(json.dumps({
             "source": graph_path.name, "ort": ort.__version__, "providers": res.providers,

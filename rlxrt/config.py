@@ -37,6 +37,7 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "layout", "all")
+CPU_MATMUL = ("auto", "rlxrt", "ort")
 CONFIG_FILE_NAME = "rlxrt.toml"
 ENV_PREFIX = "RLXRT_"
 
@@ -70,6 +71,10 @@ class Config:
     """Per-provider ORT options, e.g. {"cuda": {"device_id": "1"}}; values are passed to ORT as strings."""
     huge_pages: bool = True
     """Move a CPU session's weights onto transparent huge pages after loading (Linux 6.1+, in the background)."""
+    cpu_matmul: str = "auto"
+    """Which kernel multiplies by a float32 weight on CPU: ``rlxrt`` (rlxrt's own, which reads each weight once
+    per call for all rows and computes a row the same alone or in a verification), ``ort`` (ONNX Runtime's), or
+    ``auto`` (rlxrt's where the weights do not fit the last-level cache, ONNX Runtime's elsewhere)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -204,6 +209,12 @@ def _coerce(key: str, value: Any, source: str) -> Any:
                 f"{', '.join(OPTIMIZATION_LEVELS)}, got {value!r}"
             )
         return norm
+    if key == "cpu_matmul":
+        norm = str(value).strip().lower()
+        if norm not in CPU_MATMUL:
+            raise ConfigError(f"config key 'cpu_matmul' (from {source}) must be one of {', '.join(CPU_MATMUL)}, "
+                              f"got {value!r}")
+        return norm
     if key == "cache_dir":
         if not isinstance(value, (str, os.PathLike)) or not str(value):
             raise ConfigError(f"config key 'cache_dir' (from {source}) must be a directory path, got {value!r}")
@@ -213,8 +224,9 @@ def _coerce(key: str, value: Any, source: str) -> Any:
     raise ConfigError(f"unknown config key {key!r} (from {source}); allowed keys: {', '.join(FIELD_NAMES)}")
 
 
-NOT_CONFIG_ENV = ("CONFIG", "SMOLLM2_DIR")
-"""RLXRT_ variables that are not config fields: the config file's path, and where the SmolLM2 recipe builds."""
+NOT_CONFIG_ENV = ("CONFIG", "SMOLLM2_DIR", "STREAM_MATMUL_ISA")
+"""RLXRT_ variables that are not config fields: the config file's path, where the SmolLM2 recipe builds, and
+the vector width rlxrt's MatMul kernel uses (generic, avx2, avx512; default the widest the CPU runs)."""
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, str]:

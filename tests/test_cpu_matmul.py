@@ -1,0 +1,202 @@
+"""rlxrt's CPU MatMul kernel (backends/stream_matmul.c, backends/cpu_matmul.py): the custom op against numpy in
+every vector width this CPU runs, a row's output the same alone or among others, the graph rewrite, the
+choice in compile(), the cache, typed errors, and exact speculation over rewritten exported graphs."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rlxrt import Config, ConfigError, ProviderError, compile, load_config
+from rlxrt.backends import cpu_matmul
+
+pytestmark = pytest.mark.skipif(cpu_matmul.library() is None, reason="the kernel library was not built")
+SHAPES = [(70, 100), (64, 32), (5, 1), (33, 64), (256, 1000)]
+"""(K, N): N below, at and past a 32-column panel, a single column, odd K."""
+
+
+def matmul_model(weights, rank: int = 3, shared: bool = False):
+    """x [.., K] @ each weight (the first weight twice when ``shared``); outputs y0, y1, …"""
+    from onnx import TensorProto, helper, numpy_helper
+
+    k = weights[0].shape[0]
+    names = [f"w{i}" for i in range(len(weights))] + (["w0"] if shared else [])
+    nodes = [helper.make_node("MatMul", ["x", w], [f"y{i}"], name=f"mm{i}") for i, w in enumerate(names)]
+    dims = ["b", "s", k][-rank:]
+    graph = helper.make_graph(nodes, "mm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
+                              [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None) for i in range(len(names))],
+                              [numpy_helper.from_array(w, f"w{i}") for i, w in enumerate(weights)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+def session(model, threads: int = 1):
+    import onnxruntime as ort
+
+    plan = cpu_matmul.plan(model, "rlxrt", "cpu")
+    cpu_matmul.rewrite(model, plan)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    cpu_matmul.register(opts)
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def check_kernel(threads: int) -> dict:
+    """The kernel against float64 numpy for every shape and 0..14 rows, and each row alone (bitwise)."""
+    rng = np.random.default_rng(threads)
+    worst = 0.0
+    for k, n in SHAPES:
+        w = rng.standard_normal((k, n)).astype(np.float32)
+        for rank in (2, 3):
+            s = session(matmul_model([w], rank=rank), threads)
+            for m in range(15):
+                x = rng.standard_normal((m, k) if rank == 2 else (1, m, k)).astype(np.float32)
+                y = s.run(None, {"x": x})[0]
+                ref = x.astype(np.float64) @ w
+                assert y.shape == ref.shape, (k, n, m, y.shape)
+                if m:
+                    worst = max(worst, float(np.abs(y - ref).max() / (np.abs(ref).max() + 1e-6)))
+                for r in range(m):  # alone, as a one-row step computes it
+                    alone = s.run(None, {"x": x[r:r + 1] if rank == 2 else x[:, r:r + 1]})[0]
+                    assert np.array_equal(alone.reshape(-1), y.reshape(m, n)[r]), (k, n, m, r)
+    assert worst < 1e-5, worst
+    return {"isa": cpu_matmul.isa(), "worst": worst}
+
+
+def isas() -> list[str]:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return ["generic"] + [name for name, need in (("avx2", ("avx2", "fma")), ("avx512", ("avx512f",)))
+                          if all(f" {f}" in flags for f in need)]
+
+
+@pytest.mark.parametrize("isa", isas())
+def test_every_vector_width_matches_numpy_and_computes_a_row_the_same_alone(isa):
+    env = {**os.environ, "RLXRT_STREAM_MATMUL_ISA": isa}
+    for threads in (1, 2):
+        out = subprocess.run([sys.executable, __file__, str(threads)], env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        assert got["isa"] == isa and got["worst"] < 1e-5
+
+
+def test_a_wrong_input_width_is_refused_and_the_session_goes_on():
+    w = np.ones((8, 40), np.float32)
+    model = matmul_model([w])
+    model.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "k"  # let a wrong width reach the kernel
+    s = session(model)
+    with pytest.raises(Exception, match="last dimension must equal the weight's K"):
+        s.run(None, {"x": np.ones((1, 2, 9), np.float32)})
+    assert np.array_equal(s.run(None, {"x": np.ones((1, 2, 8), np.float32)})[0], np.full((1, 2, 40), 8, np.float32))
+
+
+def test_the_rewrite_packs_each_weight_once_and_keeps_what_others_read():
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w0, w1 = rng.standard_normal((16, 40)).astype(np.float32), rng.standard_normal((16, 8)).astype(np.float32)
+    model = matmul_model([w0, w1], shared=True)
+    model.graph.node.append(helper.make_node("Identity", ["w1"], ["w1_copy"]))  # w1 is read by another node
+    model.graph.output.append(helper.make_tensor_value_info("w1_copy", 1, None))
+    model.graph.node.append(helper.make_node("MatMul", ["x", "x_t"], ["not_a_weight"]))  # B is no initializer
+    plan = cpu_matmul.plan(model, "rlxrt", "cpu")
+    assert plan.nodes == [0, 1, 2] and plan.weight_bytes == (2 * 16 * 40 + 16 * 8) * 4
+    cpu_matmul.rewrite(model, plan)
+    ops = [(n.op_type, n.domain) for n in model.graph.node]
+    assert ops[:3] == [("StreamMatMul", "ai.rlxrt")] * 3 and ops[4] == ("MatMul", "")
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    assert sorted(inits) == ["w0.panels", "w1", "w1.panels"]  # w0 read only by MatMuls: dropped
+    assert inits["w0.panels"].shape == (2, 16, 32) and not inits["w0.panels"][1, :, 8:].any()
+    np.testing.assert_array_equal(inits["w0.panels"][1, :, :8], w0[:, 32:])
+    assert [a.i for a in model.graph.node[0].attribute] == [40]
+
+
+def test_what_the_plan_leaves_alone(monkeypatch):
+    model = matmul_model([np.ones((4, 4), np.float32)])
+    assert cpu_matmul.plan(model, "ort", "cpu").state == "off: cpu_matmul = ort in config"
+    assert cpu_matmul.plan(model, "rlxrt", "cuda").state == "off: the session runs on cuda"
+    monkeypatch.setattr(cpu_matmul, "isa", lambda: "avx2")
+    auto = cpu_matmul.plan(model, "auto", "cpu")
+    assert not auto.nodes and "runs avx2 here" in auto.state and "cpu_matmul = rlxrt forces it" in auto.state
+    assert cpu_matmul.plan(model, "rlxrt", "cpu").nodes == [0]
+    monkeypatch.setattr(cpu_matmul, "isa", lambda: "avx512")
+    assert cpu_matmul.plan(model, "auto", "cpu").state.startswith("on: 1 MatMuls")
+    monkeypatch.setattr(cpu_matmul, "library", lambda: None)
+    assert "not built at install" in cpu_matmul.plan(model, "auto", "cpu").state
+    with pytest.raises(ProviderError, match="cpu_matmul = rlxrt.*set cpu_matmul = auto"):
+        cpu_matmul.plan(model, "rlxrt", "cpu")
+    del model.graph.node[:]
+    assert cpu_matmul.plan(model, "rlxrt", "cpu").state.startswith("off: no float32 MatMul")
+
+
+def test_the_config_key():
+    assert Config().cpu_matmul == "auto"
+    assert load_config(env={"RLXRT_CPU_MATMUL": "ORT"}).cpu_matmul == "ort"
+    with pytest.raises(ConfigError, match="'cpu_matmul'.*auto, rlxrt, ort.*'mlas'"):
+        Config(cpu_matmul="mlas")
+
+
+def test_compile_rewrites_caches_and_says_so(tmp_path):
+    from conftest import make_mlp_onnx
+
+    path = make_mlp_onnx(tmp_path / "mlp" / "model.onnx", external=True)
+    x = np.random.default_rng(0).standard_normal((5, 16)).astype(np.float32)
+    outs = {}
+    for mode in ("ort", "rlxrt", "rlxrt"):
+        g = compile(path, Config(intra_op_threads=1, cache_dir=str(tmp_path / "c"), cpu_matmul=mode))
+        outs.setdefault(mode, []).append((g.cache, g.session.run(None, {"x": x})[0], g.cache_path))
+        assert g.to_dict()["cpu_matmul"] == g.cpu_matmul
+        assert g.cpu_matmul.startswith("on: 2 MatMuls") if mode == "rlxrt" else g.cpu_matmul.startswith("off: ")
+    (c_ort, y_ort, p_ort), = outs["ort"]
+    (c1, y1, p1), (c2, y2, p2) = outs["rlxrt"]
+    assert (c_ort, c1, c2) == ("miss", "miss", "hit") and p1 == p2 != p_ort
+    assert not any(f.name.startswith("source.onnx") for f in p1.iterdir())  # the rewritten input is gone
+    np.testing.assert_allclose(y1, y_ort, rtol=1e-5, atol=1e-5)
+    assert np.array_equal(y1, y2)
+    import onnx
+
+    cached = onnx.load(str(p1 / "model.onnx"), load_external_data=False)
+    assert sum(n.op_type == "StreamMatMul" for n in cached.graph.node) == 2
+    g = compile(path, Config(intra_op_threads=1, cache=False, cpu_matmul="rlxrt"))  # no cache: a temporary copy
+    assert g.cache.startswith("off") and np.array_equal(g.session.run(None, {"x": x})[0], y1)
+
+
+def test_nowhere_to_write_the_rewritten_graph_falls_back_to_ort_and_says_so(mlp, monkeypatch, caplog):
+    import tempfile
+
+    def refuse(*a, **kw):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    x = np.ones((3, 16), np.float32)
+    with caplog.at_level("WARNING", logger="rlxrt"):
+        g = compile(mlp, Config(intra_op_threads=1, cache=False, cpu_matmul="rlxrt"))
+    assert g.cpu_matmul.startswith("off: the rewritten graph could not be written") and "Permission" in caplog.text
+    want = compile(mlp, Config(intra_op_threads=1, cache=False, cpu_matmul="ort")).session.run(None, {"x": x})[0]
+    np.testing.assert_allclose(g.session.run(None, {"x": x})[0], want, rtol=1e-6)
+
+
+@pytest.mark.export
+@pytest.mark.parametrize("graph", ["fused", "portable"])
+def test_greedy_speculation_over_the_kernel_is_exact(exported, graph):
+    from rlxrt.sessions import DraftModel, PromptLookup, Session
+
+    target, draft = exported("llama", graph=graph), exported("llama", seed=1, graph=graph)
+    prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
+    outs = {}
+    for mode in ("ort", "rlxrt"):
+        cfg = Config(intra_op_threads=1, cache=False, cpu_matmul=mode)
+        t, d = compile(target, cfg), compile(draft, cfg)
+        assert t.cpu_matmul.startswith("on: " if mode == "rlxrt" else "off: ")
+        plain = Session(t).generate(prompt, max_new_tokens=40, ignore_eos=True).token_ids
+        for k in (1, 3, 8):
+            for spec in (DraftModel(d), PromptLookup()):
+                got = Session(t, spec, k=k).generate(prompt, max_new_tokens=40, ignore_eos=True)
+                assert got.token_ids == plain, (mode, k, type(spec).__name__)
+        outs[mode] = plain
+    assert len(outs["rlxrt"]) == 40
+
+
+if __name__ == "__main__":  # one vector width per process: the kernel picks it once
+    print(json.dumps(check_kernel(int(sys.argv[1]))))
