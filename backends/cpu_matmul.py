@@ -77,9 +77,9 @@ class Plan:
     """What the rewrite will do to one graph."""
 
     nodes: list[int]
-    """Positions in the main graph of the MatMuls to replace."""
+    """Positions, in ``_walk`` order, of the MatMuls and Gemms to replace."""
     weight_bytes: int
-    """Bytes of their weights."""
+    """Bytes of their weights (a weight read by several of them counted once)."""
     state: str
     """``on: ...`` or ``off: why``."""
 
@@ -91,17 +91,41 @@ def _float_matrices(model) -> dict:
             if t.data_type == TensorProto.FLOAT and len(t.dims) == 2}
 
 
+def _walk(graph):
+    """Every node of ``graph`` and of its subgraphs (If branches, loop bodies), depth first."""
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                yield from _walk(sub)
+
+
+def _weight(node, weights: dict) -> tuple[str, bool] | None:
+    """(the weight's name, whether the op reads it transposed) when ``node`` is x @ W or Gemm(x, W) with no
+    bias, alpha 1 and x as it is, over a float32 matrix initializer of the main graph; else None."""
+    if node.domain not in ("", "ai.onnx") or len(node.input) < 2 or node.input[1] not in weights:
+        return None
+    if node.op_type == "MatMul":
+        return node.input[1], False
+    if node.op_type != "Gemm" or (len(node.input) > 2 and node.input[2]):
+        return None
+    attrs = {a.name: a for a in node.attribute}
+    if attrs.get("transA") and attrs["transA"].i or ("alpha" in attrs and attrs["alpha"].f != 1.0):
+        return None
+    return node.input[1], bool(attrs.get("transB") and attrs["transB"].i)
+
+
 def plan(model, mode: str, provider: str) -> Plan:
-    """Which MatMuls ``mode`` (auto, rlxrt, ort) rewrites in ``model`` (an onnx ModelProto, weights loaded
-    or not) for a session whose first provider is ``provider``."""
+    """Which MatMuls and Gemms ``mode`` (auto, rlxrt, ort) rewrites in ``model`` (an onnx ModelProto, weights
+    loaded or not) for a session whose first provider is ``provider``."""
     if mode == "ort":
         return Plan([], 0, "off: cpu_matmul = ort in config")
     if provider != "cpu":
         return Plan([], 0, f"off: the session runs on {provider}")
     weights = _float_matrices(model)
-    nodes = [i for i, n in enumerate(model.graph.node)
-             if n.op_type == "MatMul" and n.domain in ("", "ai.onnx") and len(n.input) == 2 and n.input[1] in weights]
-    size = sum(int(np.prod(weights[model.graph.node[i].input[1]].dims)) * 4 for i in nodes)
+    found = [(i, _weight(n, weights)) for i, n in enumerate(_walk(model.graph))]
+    nodes = [i for i, w in found if w is not None]
+    size = sum(int(np.prod(weights[name].dims)) * 4 for name in {w[0] for _, w in found if w is not None})
     if not nodes:
         return Plan([], 0, "off: no float32 MatMul over a weight in the graph")
     if library() is None:
@@ -117,28 +141,32 @@ def plan(model, mode: str, provider: str) -> Plan:
 
 
 def rewrite(model, chosen: Plan) -> None:
-    """Replace the planned MatMuls of ``model`` (the graph ``plan`` read, weights loaded) in place."""
+    """Replace the planned nodes of ``model`` (the graph ``plan`` read, weights loaded) in place; the packed
+    weights are initializers of the main graph, which subgraphs see."""
     from onnx import helper, numpy_helper
 
     weights = _float_matrices(model)
+    everything = list(_walk(model.graph))
     readers: dict[str, int] = {}
-    for node in model.graph.node:
+    for node in everything:
         for name in node.input:
             readers[name] = readers.get(name, 0) + 1
-    packed: dict[str, str] = {}
-    for node in (model.graph.node[i] for i in chosen.nodes):
-        assert node.op_type == "MatMul", f"node {node.name!r} is {node.op_type}, the plan read another graph"
-        source = node.input[1]
-        if source not in packed:
+    packed: dict[tuple[str, bool], str] = {}
+    for node in (everything[i] for i in chosen.nodes):
+        found = _weight(node, weights)
+        assert found is not None, f"node {node.name!r} ({node.op_type}) is not what the plan read"
+        source, transposed = found
+        if found not in packed:
             w = numpy_helper.to_array(weights[source])
-            packed[source] = f"{source}.panels"
-            model.graph.initializer.append(numpy_helper.from_array(pack(w), packed[source]))
-        n = int(weights[source].dims[1])
-        replacement = helper.make_node(OP, [node.input[0], packed[source]], list(node.output),
+            packed[found] = f"{source}.panels" + (".t" if transposed else "")
+            model.graph.initializer.append(numpy_helper.from_array(pack(w.T if transposed else w), packed[found]))
+        n = int(weights[source].dims[0 if transposed else 1])
+        replacement = helper.make_node(OP, [node.input[0], packed[found]], list(node.output),
                                        name=node.name or None, domain=DOMAIN, n=n)
         node.CopyFrom(replacement)
         readers[source] -= 1
-    keep = [t for t in model.graph.initializer if t.name not in packed or readers.get(t.name, 0) > 0]
+    replaced = {source for source, _ in packed}
+    keep = [t for t in model.graph.initializer if t.name not in replaced or readers.get(t.name, 0) > 0]
     del model.graph.initializer[:]
     model.graph.initializer.extend(keep)
     if not any(o.domain == DOMAIN for o in model.opset_import):

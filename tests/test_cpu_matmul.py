@@ -102,7 +102,7 @@ def test_the_rewrite_packs_each_weight_once_and_keeps_what_others_read():
     model.graph.output.append(helper.make_tensor_value_info("w1_copy", 1, None))
     model.graph.node.append(helper.make_node("MatMul", ["x", "x_t"], ["not_a_weight"]))  # B is no initializer
     plan = cpu_matmul.plan(model, "rlxrt", "cpu")
-    assert plan.nodes == [0, 1, 2] and plan.weight_bytes == (2 * 16 * 40 + 16 * 8) * 4
+    assert plan.nodes == [0, 1, 2] and plan.weight_bytes == (16 * 40 + 16 * 8) * 4
     cpu_matmul.rewrite(model, plan)
     ops = [(n.op_type, n.domain) for n in model.graph.node]
     assert ops[:3] == [("StreamMatMul", "ai.rlxrt")] * 3 and ops[4] == ("MatMul", "")
@@ -111,6 +111,50 @@ def test_the_rewrite_packs_each_weight_once_and_keeps_what_others_read():
     assert inits["w0.panels"].shape == (2, 16, 32) and not inits["w0.panels"][1, :, 8:].any()
     np.testing.assert_array_equal(inits["w0.panels"][1, :, :8], w0[:, 32:])
     assert [a.i for a in model.graph.node[0].attribute] == [40]
+
+
+def gemm_model(table: np.ndarray):
+    """The LM heads of a fused graph: Gemm(x, table, transB=1) in the main graph and in both branches of an If
+    (as the greedy head has it), beside Gemms the kernel does not cover (a bias, alpha, transA)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    def branch(name, out):
+        return helper.make_graph([helper.make_node("Gemm", ["x", "table"], [out], transB=1)], name, [],
+                                 [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)])
+    v, k = table.shape
+    nodes = [helper.make_node("Gemm", ["x", "table"], ["main"], transB=1),
+             helper.make_node("If", ["flag"], ["chosen"], then_branch=branch("a", "ya"), else_branch=branch("b", "yb")),
+             helper.make_node("Gemm", ["x", "table", "bias"], ["biased"], transB=1),
+             helper.make_node("Gemm", ["x", "table"], ["scaled"], transB=1, alpha=2.0),
+             helper.make_node("Gemm", ["xt", "table"], ["transposed"], transA=1, transB=1)]
+    graph = helper.make_graph(
+        nodes, "heads", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", k]),
+                         helper.make_tensor_value_info("xt", TensorProto.FLOAT, [k, "m"]),
+                         helper.make_tensor_value_info("flag", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None)
+         for o in ("main", "chosen", "biased", "scaled", "transposed")],
+        [numpy_helper.from_array(table, "table"), numpy_helper.from_array(np.ones(v, np.float32), "bias")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+def test_lm_head_gemms_in_the_graph_and_in_if_branches():
+    table = np.random.default_rng(2).standard_normal((100, 24)).astype(np.float32)
+    model = gemm_model(table)
+    plan = cpu_matmul.plan(model, "rlxrt", "cpu")
+    assert plan.nodes == [0, 2, 3] and plan.weight_bytes == table.nbytes  # main, then-branch, else-branch
+    s = session(model)
+    x = np.random.default_rng(3).standard_normal((5, 24)).astype(np.float32)
+    feeds = {"x": x, "xt": np.ascontiguousarray(x.T)}
+    ref = x.astype(np.float64) @ table.T.astype(np.float64)
+    for flag in (True, False):
+        main, chosen, biased, scaled, transposed = s.run(None, {**feeds, "flag": np.array(flag)})
+        np.testing.assert_allclose(main, ref, rtol=1e-5, atol=1e-5)
+        assert np.array_equal(chosen, main)
+        np.testing.assert_allclose(biased, ref + 1, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(scaled, 2 * ref, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(transposed, ref, rtol=1e-5, atol=1e-5)
+    names = sorted(t.name for t in model.graph.initializer)
+    assert names == ["bias", "table", "table.panels.t"]  # the table is still read by the Gemms left alone
 
 
 def test_what_the_plan_leaves_alone(monkeypatch):
