@@ -136,5 +136,5 @@ def collapse_new(before: frozenset[int] | None, libc=None) -> HugePages:
     after = resident_chunks(libc)
     new = (after or frozenset()) - before
     if not new:
-        return HugePages("off: no weights on the host")
+        return HugePages("off: the load added no anonymous memory (the weights are mapped from their file)")
     return HugePages("collapsing", frozenset(new), libc).start()

@@ -73,7 +73,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
         _print_json(graph.to_dict())
     else:
         print(f"{graph.path}: providers {', '.join(graph.providers)}; cache {graph.cache}; "
-              f"loaded in {graph.load_seconds:.3f} s; huge pages {graph.huge_pages.state}")
+              f"loaded in {graph.load_seconds:.3f} s; huge pages {graph.huge_pages.state}; "
+              f"rlxrt's MatMul {graph.cpu_matmul}")
         for f in graph.fallbacks:
             print(f"  fallback: {f}")
     return 0
