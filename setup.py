@@ -7,4 +7,4 @@ from setuptools import Extension, setup
 
 flags = [] if sys.platform == "win32" else ["-O3", "-ffp-contract=fast", "-Wno-psabi", "-fvisibility=hidden"]
 setup(ext_modules=[Extension("rlxrt.backends._stream_matmul", ["backends/stream_matmul.c"],
-                             extra_compile_args=flags, optional=True)])
+                             depends=["backends/stream_kernels.h"], extra_compile_args=flags, optional=True)])

@@ -20,12 +20,13 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from rlxrt.errors import ProviderError
 
-DOMAIN, OP = "ai.rlxrt", "StreamMatMul"
+DOMAIN, OP, OP_Q4 = "ai.rlxrt", "StreamMatMul", "StreamMatMulQ4"
 PANEL = 32
 """Columns per packed panel (two 16-float vectors)."""
 KERNEL_VERSION = "1"
@@ -84,11 +85,15 @@ class Plan:
     """``on: ...`` or ``off: why``."""
 
 
-def _float_matrices(model) -> dict:
-    from onnx import TensorProto
+class Source(NamedTuple):
+    """The weight a node multiplies by, as the kernel will read it."""
 
-    return {t.name: t for t in model.graph.initializer
-            if t.data_type == TensorProto.FLOAT and len(t.dims) == 2}
+    kind: str
+    """``float`` (x @ W), ``float_t`` (x @ W^T, a Gemm with transB) or ``int4`` (MatMulNBits' codes, scales)."""
+    names: tuple[str, ...]
+    """The initializers: (W,) or (codes, scales)."""
+    n: int
+    """Output columns."""
 
 
 def _walk(graph):
@@ -100,32 +105,78 @@ def _walk(graph):
                 yield from _walk(sub)
 
 
-def _weight(node, weights: dict) -> tuple[str, bool] | None:
-    """(the weight's name, whether the op reads it transposed) when ``node`` is x @ W or Gemm(x, W) with no
-    bias, alpha 1 and x as it is, over a float32 matrix initializer of the main graph; else None."""
-    if node.domain not in ("", "ai.onnx") or len(node.input) < 2 or node.input[1] not in weights:
+def _initializers(model) -> dict:
+    return {t.name: t for t in model.graph.initializer}
+
+
+def _attrs(node) -> dict:
+    from onnx import helper
+
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _source(node, inits: dict) -> Source | None:
+    """What ``node`` multiplies by when the kernel can take it, else None: x @ W or Gemm(x, W) without bias,
+    alpha 1 or x transposed, over a float32 matrix initializer of the main graph; or MatMulNBits over int4
+    blocks of 32 at accuracy level 0 (float32 arithmetic on the dequantised weight), without zero points."""
+    from onnx import TensorProto
+
+    def matrix(name, dtype=TensorProto.FLOAT, rank=2):
+        t = inits.get(name)
+        return t if t is not None and t.data_type == dtype and len(t.dims) == rank else None
+
+    if len(node.input) < 2:
         return None
-    if node.op_type == "MatMul":
-        return node.input[1], False
-    if node.op_type != "Gemm" or (len(node.input) > 2 and node.input[2]):
+    attrs = _attrs(node)
+    if node.domain in ("", "ai.onnx") and matrix(node.input[1]) is not None:
+        w = matrix(node.input[1])
+        if node.op_type == "MatMul":
+            return Source("float", (w.name,), int(w.dims[1]))
+        if node.op_type == "Gemm" and not (len(node.input) > 2 and node.input[2]) and not attrs.get("transA") \
+                and attrs.get("alpha", 1.0) == 1.0:
+            transposed = bool(attrs.get("transB"))
+            return Source("float_t" if transposed else "float", (w.name,), int(w.dims[0 if transposed else 1]))
         return None
-    attrs = {a.name: a for a in node.attribute}
-    if attrs.get("transA") and attrs["transA"].i or ("alpha" in attrs and attrs["alpha"].f != 1.0):
+    if node.domain != "com.microsoft" or node.op_type != "MatMulNBits" or len(node.input) < 3 or any(node.input[3:]):
         return None
-    return node.input[1], bool(attrs.get("transB") and attrs["transB"].i)
+    k, n = int(attrs.get("K", 0)), int(attrs.get("N", 0))
+    if (attrs.get("bits", 4), attrs.get("block_size"), attrs.get("accuracy_level", 0)) != (4, 32, 0) or k % 32:
+        return None
+    codes, scales = matrix(node.input[1], TensorProto.UINT8, 3), inits.get(node.input[2])
+    if codes is None or list(codes.dims) != [n, k // 32, 16] or scales is None \
+            or scales.data_type != TensorProto.FLOAT or int(np.prod(scales.dims)) != n * k // 32:
+        return None
+    return Source("int4", (codes.name, scales.name), n)
+
+
+def pack_int4(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """MatMulNBits' int4 blocks (codes [N, K/32, 16], two a byte along K, low nibble first; scales [N * K/32])
+    as StreamMatMulQ4's panels: codes [P, K, 16] (byte j: column j low, column j + 16 high) and scales
+    [P, K/32, 32]; padding columns get code 8 and scale 0 (weight 0)."""
+    n, blocks, _ = codes.shape
+    panels = -(-n // PANEL)
+    flat = np.full((panels * PANEL, blocks * 32), 8, np.uint8)
+    flat[:n, 0::2] = (codes & 15).reshape(n, -1)
+    flat[:n, 1::2] = (codes >> 4).reshape(n, -1)
+    per_panel = flat.reshape(panels, PANEL, blocks * 32).transpose(0, 2, 1)  # [P, K, 32]
+    packed = np.ascontiguousarray(per_panel[..., :16] | (per_panel[..., 16:] << 4))
+    s = np.zeros((panels * PANEL, blocks), np.float32)
+    s[:n] = scales.reshape(n, blocks)
+    return packed, np.ascontiguousarray(s.reshape(panels, PANEL, blocks).transpose(0, 2, 1))
 
 
 def plan(model, mode: str, provider: str) -> Plan:
-    """Which MatMuls and Gemms ``mode`` (auto, rlxrt, ort) rewrites in ``model`` (an onnx ModelProto, weights
-    loaded or not) for a session whose first provider is ``provider``."""
+    """Which MatMuls, Gemms and int4 MatMulNBits ``mode`` (auto, rlxrt, ort) rewrites in ``model`` (an onnx
+    ModelProto, weights loaded or not) for a session whose first provider is ``provider``."""
     if mode == "ort":
         return Plan([], 0, "off: cpu_matmul = ort in config")
     if provider != "cpu":
         return Plan([], 0, f"off: the session runs on {provider}")
-    weights = _float_matrices(model)
-    found = [(i, _weight(n, weights)) for i, n in enumerate(_walk(model.graph))]
+    inits = _initializers(model)
+    found = [(i, _source(n, inits)) for i, n in enumerate(_walk(model.graph))]
     nodes = [i for i, w in found if w is not None]
-    size = sum(int(np.prod(weights[name].dims)) * 4 for name in {w[0] for _, w in found if w is not None})
+    read = {name for _, w in found if w is not None for name in w.names}
+    size = sum(int(np.prod(inits[name].dims)) * (1 if inits[name].data_type == 2 else 4) for name in read)
     if not nodes:
         return Plan([], 0, "off: no float32 MatMul over a weight in the graph")
     if library() is None:
@@ -137,7 +188,9 @@ def plan(model, mode: str, provider: str) -> Plan:
     if mode == "auto" and isa() not in WINS_ON:
         return Plan([], size, f"off: the kernel runs {isa()} here, where ONNX Runtime's MatMul was not measured "
                               "slower (cpu_matmul = rlxrt forces it)")
-    return Plan(nodes, size, f"on: {len(nodes)} MatMuls, {size / 2**20:.0f} MiB of weights, {isa()}")
+    q4 = sum(w is not None and w.kind == "int4" for _, w in found)
+    return Plan(nodes, size, f"on: {len(nodes)} MatMuls{f' ({q4} int4)' if q4 else ''}, "
+                             f"{size / 2**20:.0f} MiB of weights, {isa()}")
 
 
 def rewrite(model, chosen: Plan) -> None:
@@ -145,27 +198,32 @@ def rewrite(model, chosen: Plan) -> None:
     weights are initializers of the main graph, which subgraphs see."""
     from onnx import helper, numpy_helper
 
-    weights = _float_matrices(model)
+    inits = _initializers(model)
     everything = list(_walk(model.graph))
     readers: dict[str, int] = {}
     for node in everything:
         for name in node.input:
             readers[name] = readers.get(name, 0) + 1
-    packed: dict[tuple[str, bool], str] = {}
+    packed: dict[Source, list[str]] = {}
     for node in (everything[i] for i in chosen.nodes):
-        found = _weight(node, weights)
-        assert found is not None, f"node {node.name!r} ({node.op_type}) is not what the plan read"
-        source, transposed = found
-        if found not in packed:
-            w = numpy_helper.to_array(weights[source])
-            packed[found] = f"{source}.panels" + (".t" if transposed else "")
-            model.graph.initializer.append(numpy_helper.from_array(pack(w.T if transposed else w), packed[found]))
-        n = int(weights[source].dims[0 if transposed else 1])
-        replacement = helper.make_node(OP, [node.input[0], packed[found]], list(node.output),
-                                       name=node.name or None, domain=DOMAIN, n=n)
-        node.CopyFrom(replacement)
-        readers[source] -= 1
-    replaced = {source for source, _ in packed}
+        source = _source(node, inits)
+        assert source is not None, f"node {node.name!r} ({node.op_type}) is not what the plan read"
+        if source not in packed:
+            arrays = [numpy_helper.to_array(inits[name]) for name in source.names]
+            if source.kind == "int4":
+                made = dict(zip(("codes", "scales"), pack_int4(*arrays)))
+            else:
+                made = {"panels" + ("_t" if source.kind == "float_t" else ""):
+                        pack(arrays[0].T if source.kind == "float_t" else arrays[0])}
+            packed[source] = [f"{source.names[0]}.{suffix}" for suffix in made]
+            model.graph.initializer.extend(numpy_helper.from_array(a, name)
+                                           for a, name in zip(made.values(), packed[source]))
+        op = OP_Q4 if source.kind == "int4" else OP
+        node.CopyFrom(helper.make_node(op, [node.input[0], *packed[source]], list(node.output),
+                                       name=node.name or None, domain=DOMAIN, n=source.n))
+        for name in source.names:
+            readers[name] -= 1
+    replaced = {name for source in packed for name in source.names}
     keep = [t for t in model.graph.initializer if t.name not in replaced or readers.get(t.name, 0) > 0]
     del model.graph.initializer[:]
     model.graph.initializer.extend(keep)
@@ -174,7 +232,7 @@ def rewrite(model, chosen: Plan) -> None:
 
 
 def register(opts) -> None:
-    """Let a session with these options load graphs holding StreamMatMul (a no-op without the library)."""
+    """Let a session with these options load graphs holding rlxrt's ops (a no-op without the library)."""
     path = library()
     if path is not None:
         opts.register_custom_ops_library(os.fspath(path))

@@ -16,6 +16,8 @@ from rlxrt.backends import cpu_matmul
 pytestmark = pytest.mark.skipif(cpu_matmul.library() is None, reason="the kernel library was not built")
 SHAPES = [(70, 100), (64, 32), (5, 1), (33, 64), (256, 1000)]
 """(K, N): N below, at and past a 32-column panel, a single column, odd K."""
+Q4_SHAPES = [(64, 100), (32, 1), (576, 70), (96, 32)]
+"""(K, N) of int4 weights: K a multiple of the 32-row block."""
 
 
 def matmul_model(weights, rank: int = 3, shared: bool = False):
@@ -30,6 +32,31 @@ def matmul_model(weights, rank: int = 3, shared: bool = False):
                               [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None) for i in range(len(names))],
                               [numpy_helper.from_array(w, f"w{i}") for i, w in enumerate(weights)])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+def int4_model(w: np.ndarray, level: int = 0, zero_points: bool = False):
+    """x [1, s, K] @ an int4 MatMulNBits over ``w`` [K, N], as ``rlxrt export --quantize int4`` writes it;
+    returns (model, the dequantised weight in float64)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from rlxrt.exporters.fused import int4_blocks
+
+    k, n = w.shape
+    codes, scales = int4_blocks(w)
+    unpacked = np.stack([codes & 15, codes >> 4], -1).reshape(n, k).astype(np.float64)
+    dequant = ((unpacked - 8) * np.repeat(scales.reshape(n, -1).astype(np.float64), 32, axis=1)).T
+    inits = [numpy_helper.from_array(codes, "codes"), numpy_helper.from_array(scales, "scales")]
+    inputs = ["x", "codes", "scales"]
+    if zero_points:
+        inits.append(numpy_helper.from_array(np.full(n * (k // 32 + 1) // 2, 0x88, np.uint8), "zeros"))
+        inputs.append("zeros")
+    node = helper.make_node("MatMulNBits", inputs, ["y0"], domain="com.microsoft", K=k, N=n, bits=4, block_size=32,
+                            accuracy_level=level)
+    graph = helper.make_graph([node], "q4", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "s", k])],
+                              [helper.make_tensor_value_info("y0", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+                              ir_version=10)
+    return model, dequant
 
 
 def session(model, threads: int = 1):
@@ -61,6 +88,20 @@ def check_kernel(threads: int) -> dict:
                 for r in range(m):  # alone, as a one-row step computes it
                     alone = s.run(None, {"x": x[r:r + 1] if rank == 2 else x[:, r:r + 1]})[0]
                     assert np.array_equal(alone.reshape(-1), y.reshape(m, n)[r]), (k, n, m, r)
+    for k, n in Q4_SHAPES:
+        w = rng.standard_normal((k, n)).astype(np.float32)
+        model, dequant = int4_model(w)
+        s = session(model, threads)
+        assert [nd.op_type for nd in model.graph.node] == ["StreamMatMulQ4"]
+        for m in range(15):
+            x = rng.standard_normal((1, m, k)).astype(np.float32)
+            y = s.run(None, {"x": x})[0]
+            assert y.shape == (1, m, n)
+            if m:
+                ref = x[0].astype(np.float64) @ dequant
+                worst = max(worst, float(np.abs(y[0] - ref).max() / (np.abs(ref).max() + 1e-6)))
+            for r in range(m):
+                assert np.array_equal(s.run(None, {"x": x[:, r:r + 1]})[0][0, 0], y[0, r]), ("int4", k, n, m, r)
     assert worst < 1e-5, worst
     return {"isa": cpu_matmul.isa(), "worst": worst}
 
@@ -80,6 +121,22 @@ def test_every_vector_width_matches_numpy_and_computes_a_row_the_same_alone(isa)
         assert out.returncode == 0, out.stderr[-3000:]
         got = json.loads(out.stdout.strip().splitlines()[-1])
         assert got["isa"] == isa and got["worst"] < 1e-5
+
+
+def test_int4_blocks_at_accuracy_level_0_only_and_without_zero_points():
+    from onnx import numpy_helper
+
+    w = np.random.default_rng(4).standard_normal((64, 40)).astype(np.float32)
+    for kw in ({"level": 4}, {"zero_points": True}):
+        assert cpu_matmul.plan(int4_model(w, **kw)[0], "rlxrt", "cpu").nodes == []
+    model, _ = int4_model(w)
+    plan = cpu_matmul.plan(model, "rlxrt", "cpu")
+    assert plan.nodes == [0] and plan.state.startswith("on: 1 MatMuls (1 int4)")
+    cpu_matmul.rewrite(model, plan)
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    assert sorted(inits) == ["codes.codes", "codes.scales"]  # MatMulNBits' own blocks are dropped
+    assert inits["codes.codes"].shape == (2, 64, 16) and inits["codes.scales"].shape == (2, 2, 32)
+    assert not inits["codes.scales"][1, :, 8:].any() and (inits["codes.codes"][1, :, 8:16] == 0x88).all()
 
 
 def test_a_wrong_input_width_is_refused_and_the_session_goes_on():
@@ -154,7 +211,7 @@ def test_lm_head_gemms_in_the_graph_and_in_if_branches():
         np.testing.assert_allclose(scaled, 2 * ref, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(transposed, ref, rtol=1e-5, atol=1e-5)
     names = sorted(t.name for t in model.graph.initializer)
-    assert names == ["bias", "table", "table.panels.t"]  # the table is still read by the Gemms left alone
+    assert names == ["bias", "table", "table.panels_t"]  # the table is still read by the Gemms left alone
 
 
 def test_what_the_plan_leaves_alone(monkeypatch):
@@ -240,6 +297,31 @@ def test_greedy_speculation_over_the_kernel_is_exact(exported, graph):
                 assert got.token_ids == plain, (mode, k, type(spec).__name__)
         outs[mode] = plain
     assert len(outs["rlxrt"]) == 40
+
+
+
+@pytest.mark.export
+def test_an_int4_target_through_the_kernel_stays_close_to_ort_and_speculates_exactly(exported, tmp_path):
+    import rlxrt
+    from rlxrt.sessions import DraftModel, PromptLookup, Session, decoder_for
+
+    src = exported.source("llama", seed=4, init=0.02)
+    q4 = tmp_path / "q4"
+    rlxrt.export(src, q4, quantize="int4")
+    ids = list(range(3, 40))
+    logits, plain = {}, {}
+    for mode in ("ort", "rlxrt"):
+        cfg = Config(intra_op_threads=1, cache=False, cpu_matmul=mode)
+        g = compile(q4, cfg)
+        assert ("int4)" in g.cpu_matmul) == (mode == "rlxrt")
+        logits[mode] = decoder_for(g).forward(ids)
+        prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
+        plain[mode] = Session(g).generate(prompt, max_new_tokens=30, ignore_eos=True).token_ids
+        for spec in (DraftModel(compile(q4, cfg)), PromptLookup()):
+            for k in (1, 3, 8):
+                got = Session(g, spec, k=k).generate(prompt, max_new_tokens=30, ignore_eos=True).token_ids
+                assert got == plain[mode], (mode, k, type(spec).__name__)
+    np.testing.assert_allclose(logits["rlxrt"], logits["ort"], atol=1e-4)  # the same dequantised weights
 
 
 if __name__ == "__main__":  # one vector width per process: the kernel picks it once

@@ -20,7 +20,7 @@ def installed(tmp_path_factory) -> Path:
     # built from a copy: setuptools' build/ folder would otherwise keep files deleted from the checkout
     src = tmp_path_factory.mktemp("src") / "rlxrt"
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", ".ci-venv", "build", "*.egg-info",
-                                                              "__pycache__", ".pytest_cache", "bench-out"))
+                                                              "__pycache__", ".pytest_cache", "bench-out", "*.so"))
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(src)]
     try:
         import setuptools
@@ -32,6 +32,7 @@ def installed(tmp_path_factory) -> Path:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert not (target / "rlxrt" / "__editable__").exists()
+    assert list((target / "rlxrt" / "backends").glob("_stream_matmul*")), "the MatMul kernel was not built"
     return target
 
 

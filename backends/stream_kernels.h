@@ -1,0 +1,141 @@
+/* The arithmetic of StreamMatMul (stream_matmul.c): y[M, N] = a[M, K] @ W[K, N], W as column panels of 32.
+ *
+ * float32: panels [P, K, 32], P = ceil(N / 32), zero-padded.
+ * int4:    codes [P, K, 16] bytes, byte j of row k holding column j (low nibble) and column j + 16 (high);
+ *          scales [P, K / 32, 32] floats, one per column and block of 32 rows; W[k, n] = (code - 8) * scale,
+ *          dequantised in float32 (exact: code - 8 is a small integer, then one rounding) and multiplied in
+ *          float32, as MatMulNBits does at accuracy level 0.
+ *
+ * One variant per vector width V (floats): a panel is handled as strips of 2V columns, a chunk of up to 6
+ * rows at a time with 2 accumulators a row (12 accumulators, 2 weight vectors and a broadcast fit the 16
+ * registers of AVX2 and SSE). A row gets a[r, k] * W[k, strip] added for k = 0 .. K-1 in order whatever chunk
+ * it falls in, so its output is bitwise the same alone or among other rows.
+ */
+#define PANEL 32
+#define CHUNK 6
+#define AI static inline __attribute__((always_inline))
+
+#define VARIANT(NAME, V, TARGET)                                                                             \
+  typedef float NAME##_vec __attribute__((vector_size(V * 4)));                                              \
+  typedef int32_t NAME##_ivec __attribute__((vector_size(V * 4)));                                           \
+  typedef uint8_t NAME##_bytes __attribute__((vector_size(V)));                                              \
+  TARGET AI NAME##_vec NAME##_load(const float *p) {                                                         \
+    NAME##_vec v;                                                                                            \
+    memcpy(&v, p, sizeof v);                                                                                 \
+    return v;                                                                                                \
+  }                                                                                                          \
+  /* columns col .. col+V-1 of one int4 row: bytes col % 16 .., nibble col / 16 */                           \
+  TARGET AI NAME##_vec NAME##_dequant(const uint8_t *row, int col, NAME##_vec scale) {                       \
+    NAME##_bytes b;                                                                                          \
+    memcpy(&b, row + col % 16, sizeof b);                                                                    \
+    b = (b >> (col / 16 * 4)) & 15;                                                                          \
+    NAME##_vec code = __builtin_convertvector(__builtin_convertvector(b, NAME##_ivec), NAME##_vec);          \
+    return (code - 8.0f) * scale;                                                                            \
+  }                                                                                                          \
+  TARGET AI void NAME##_store(int R, NAME##_vec *lo, NAME##_vec *hi, float *y, int64_t ldy) {                \
+    for (int r = 0; r < R; r++) {                                                                            \
+      memcpy(y + r * ldy, &lo[r], sizeof lo[r]);                                                             \
+      memcpy(y + r * ldy + V, &hi[r], sizeof hi[r]);                                                         \
+    }                                                                                                        \
+  }                                                                                                          \
+  /* rows r < R of a (row stride K) times the float strip at w (row stride PANEL) into y */                  \
+  TARGET AI void NAME##_rows(int R, const float *a, const float *w, int64_t K, float *y, int64_t ldy) {      \
+    NAME##_vec lo[CHUNK], hi[CHUNK];                                                                         \
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = (NAME##_vec){0};                                             \
+    for (int64_t k = 0; k < K; k++) {                                                                        \
+      NAME##_vec w0 = NAME##_load(w + PANEL * k), w1 = NAME##_load(w + PANEL * k + V);                       \
+      for (int r = 0; r < R; r++) {                                                                          \
+        float x = a[r * K + k];                                                                              \
+        lo[r] += x * w0;                                                                                     \
+        hi[r] += x * w1;                                                                                     \
+      }                                                                                                      \
+    }                                                                                                        \
+    NAME##_store(R, lo, hi, y, ldy);                                                                         \
+  }                                                                                                          \
+  /* the same for strip ``col`` of an int4 panel: codes (row stride 16), scales (block stride PANEL) */     \
+  TARGET AI void NAME##_q4rows(int R, const float *a, const uint8_t *c, const float *s, int col, int64_t K,  \
+                               float *y, int64_t ldy) {                                                      \
+    NAME##_vec lo[CHUNK], hi[CHUNK];                                                                         \
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = (NAME##_vec){0};                                             \
+    for (int64_t b = 0; b < K / 32; b++) {                                                                   \
+      NAME##_vec s0 = NAME##_load(s + b * PANEL + col), s1 = NAME##_load(s + b * PANEL + col + V);           \
+      for (int64_t k = b * 32; k < b * 32 + 32; k++) {                                                       \
+        NAME##_vec w0 = NAME##_dequant(c + 16 * k, col, s0), w1 = NAME##_dequant(c + 16 * k, col + V, s1);   \
+        for (int r = 0; r < R; r++) {                                                                        \
+          float x = a[r * K + k];                                                                            \
+          lo[r] += x * w0;                                                                                   \
+          hi[r] += x * w1;                                                                                   \
+        }                                                                                                    \
+      }                                                                                                      \
+    }                                                                                                        \
+    NAME##_store(R, lo, hi, y, ldy);                                                                         \
+  }                                                                                                          \
+  /* panels [first, last) of y for all M rows; codes and scales NULL for float panels at w */                \
+  TARGET static void NAME##_panels(const float *a, const float *w, const uint8_t *codes, const float *scales, \
+                                   float *y, int64_t M, int64_t K, int64_t N, int64_t first, int64_t last) { \
+    float tail[CHUNK * PANEL];                                                                               \
+    for (int64_t p = first; p < last; p++) {                                                                 \
+      int64_t col = p * PANEL, width = N - col < PANEL ? N - col : PANEL;                                    \
+      for (int64_t m = 0; m < M; m += CHUNK) {                                                               \
+        int rows = (int)(M - m < CHUNK ? M - m : CHUNK);                                                     \
+        float *out = width == PANEL ? y + m * N + col : tail;                                                \
+        int64_t ldy = width == PANEL ? N : PANEL;                                                            \
+        const float *am = a + m * K;                                                                         \
+        for (int strip = 0; strip < PANEL; strip += 2 * V) {                                                 \
+          if (codes) {                                                                                       \
+            const uint8_t *c = codes + p * K * 16;                                                           \
+            const float *s = scales + p * (K / 32) * PANEL;                                                  \
+            switch (rows) { /* constant row counts: the accumulators stay in registers */                    \
+              case 1: NAME##_q4rows(1, am, c, s, strip, K, out + strip, ldy); break;                         \
+              case 2: NAME##_q4rows(2, am, c, s, strip, K, out + strip, ldy); break;                         \
+              case 3: NAME##_q4rows(3, am, c, s, strip, K, out + strip, ldy); break;                         \
+              case 4: NAME##_q4rows(4, am, c, s, strip, K, out + strip, ldy); break;                         \
+              case 5: NAME##_q4rows(5, am, c, s, strip, K, out + strip, ldy); break;                         \
+              default: NAME##_q4rows(6, am, c, s, strip, K, out + strip, ldy); break;                        \
+            }                                                                                                \
+          } else {                                                                                           \
+            const float *ws = w + p * K * PANEL + strip;                                                     \
+            switch (rows) {                                                                                  \
+              case 1: NAME##_rows(1, am, ws, K, out + strip, ldy); break;                                    \
+              case 2: NAME##_rows(2, am, ws, K, out + strip, ldy); break;                                    \
+              case 3: NAME##_rows(3, am, ws, K, out + strip, ldy); break;                                    \
+              case 4: NAME##_rows(4, am, ws, K, out + strip, ldy); break;                                    \
+              case 5: NAME##_rows(5, am, ws, K, out + strip, ldy); break;                                    \
+              default: NAME##_rows(6, am, ws, K, out + strip, ldy); break;                                   \
+            }                                                                                                \
+          }                                                                                                  \
+        }                                                                                                    \
+        if (width < PANEL)                                                                                   \
+          for (int64_t r = 0; r < rows; r++)                                                                 \
+            memcpy(y + (m + r) * N + col, tail + r * PANEL, width * sizeof(float));                          \
+      }                                                                                                      \
+    }                                                                                                        \
+  }
+
+typedef void (*PanelsFn)(const float *, const float *, const uint8_t *, const float *, float *, int64_t, int64_t,
+                         int64_t, int64_t, int64_t);
+
+VARIANT(generic, 4, )
+#if defined(__x86_64__) && defined(__GNUC__)
+VARIANT(avx2, 8, __attribute__((target("avx2,fma"))))
+VARIANT(avx512, 16, __attribute__((target("avx512f,avx512bw,fma"))))
+#endif
+
+typedef struct { PanelsFn panels; const char *name; } Variant;
+
+/* the widest variant this CPU runs, or the one RLXRT_STREAM_MATMUL_ISA names (generic, avx2, avx512: the
+ * tests run each variant this CPU can) */
+static Variant choose_variant(void) {
+  const char *isa = getenv("RLXRT_STREAM_MATMUL_ISA");
+  Variant generic = {generic_panels, "generic"};
+  if (isa && !strcmp(isa, "generic")) return generic;
+#if defined(__x86_64__) && defined(__GNUC__)
+  Variant avx2 = {avx2_panels, "avx2"}, avx512 = {avx512_panels, "avx512"};
+  __builtin_cpu_init();
+  int has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa && !strcmp(isa, "avx2") && has_avx2) return avx2;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return avx512;
+  if (has_avx2) return avx2;
+#endif
+  return generic;
+}
