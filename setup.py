@@ -7,4 +7,6 @@ from setuptools import Extension, setup
 
 flags = [] if sys.platform == "win32" else ["-O3", "-ffp-contract=fast", "-Wno-psabi", "-fvisibility=hidden"]
 setup(ext_modules=[Extension("rlxrt.backends._stream_matmul", ["backends/stream_matmul.c"],
-                             depends=["backends/stream_kernels.h"], extra_compile_args=flags, optional=True)])
+                             depends=["backends/stream_kernels.h", "backends/stream_int8.h"],
+                             libraries=[] if sys.platform == "win32" else ["m"], extra_compile_args=flags,
+                             optional=True)])

@@ -26,7 +26,10 @@ import numpy as np
 
 from rlxrt.errors import ProviderError
 
-DOMAIN, OP, OP_Q4 = "ai.rlxrt", "StreamMatMul", "StreamMatMulQ4"
+DOMAIN = "ai.rlxrt"
+OPS = {"float": "StreamMatMul", "float_t": "StreamMatMul", "int4": "StreamMatMulQ4", "int4x8": "StreamMatMulQx8",
+       "int8x8": "StreamMatMulQx8"}
+"""The op each kind of weight becomes."""
 PANEL = 32
 """Columns per packed panel (two 16-float vectors)."""
 KERNEL_VERSION = "1"
@@ -45,23 +48,36 @@ def library() -> Path | None:
     return None
 
 
-@lru_cache(maxsize=1)
-def isa() -> str | None:
-    """The vector width the kernel runs at in this process (avx512, avx2, generic), None without the library."""
+def _ask(function: str) -> str | None:
     import ctypes
 
     path = library()
     if path is None:
         return None
-    fn = ctypes.CDLL(os.fspath(path)).rlxrt_stream_matmul_isa
+    fn = getattr(ctypes.CDLL(os.fspath(path)), function)
     fn.restype = ctypes.c_char_p
     return fn().decode()
+
+
+@lru_cache(maxsize=1)
+def isa() -> str | None:
+    """The vector width the float kernels run at in this process (avx512, avx2, generic); None without the
+    library."""
+    return _ask("rlxrt_stream_matmul_isa")
+
+
+@lru_cache(maxsize=1)
+def int8_isa() -> str | None:
+    """How the int8-activation kernel runs in this process (avx512vnni, generic); None without the library."""
+    return _ask("rlxrt_stream_matmul_int8_isa")
 
 
 WINS_ON = ("avx512",)
 """Where ``auto`` uses the kernel: the variants measured faster than ONNX Runtime's MatMul on whole decoder
 steps (README, "rlxrt's MatMul kernel"). The avx2 and generic variants are exact and tested, but were only
 measured on a CPU where ONNX Runtime itself runs AVX-512 (0.85x and 0.64x of it), so ``auto`` leaves them off."""
+INT8_WINS_ON = ("avx512vnni",)
+"""The same for the int8-activation kernel (MatMulNBits at accuracy level 4)."""
 
 
 def pack(w: np.ndarray) -> np.ndarray:
@@ -83,13 +99,17 @@ class Plan:
     """Bytes of their weights (a weight read by several of them counted once)."""
     state: str
     """``on: ...`` or ``off: why``."""
+    int8_rows_exact: bool = False
+    """The graph computes with int8 activations (MatMulNBits at accuracy level 4) and every such node is
+    rewritten: a row's output is then the same alone or in a verification, as in a float32 graph."""
 
 
 class Source(NamedTuple):
     """The weight a node multiplies by, as the kernel will read it."""
 
     kind: str
-    """``float`` (x @ W), ``float_t`` (x @ W^T, a Gemm with transB) or ``int4`` (MatMulNBits' codes, scales)."""
+    """``float`` (x @ W), ``float_t`` (x @ W^T, a Gemm with transB), ``int4`` (MatMulNBits' codes and scales,
+    float32 arithmetic) or ``int4x8`` / ``int8x8`` (4- or 8-bit codes with int8 activations, accuracy level 4)."""
     names: tuple[str, ...]
     """The initializers: (W,) or (codes, scales)."""
     n: int
@@ -118,7 +138,8 @@ def _attrs(node) -> dict:
 def _source(node, inits: dict) -> Source | None:
     """What ``node`` multiplies by when the kernel can take it, else None: x @ W or Gemm(x, W) without bias,
     alpha 1 or x transposed, over a float32 matrix initializer of the main graph; or MatMulNBits over int4
-    blocks of 32 at accuracy level 0 (float32 arithmetic on the dequantised weight), without zero points."""
+    blocks of 32 without zero points: 4-bit at accuracy level 0 (float32 arithmetic on the dequantised weight),
+    4- or 8-bit at level 4 (int8 activations)."""
     from onnx import TensorProto
 
     def matrix(name, dtype=TensorProto.FLOAT, rank=2):
@@ -139,14 +160,15 @@ def _source(node, inits: dict) -> Source | None:
         return None
     if node.domain != "com.microsoft" or node.op_type != "MatMulNBits" or len(node.input) < 3 or any(node.input[3:]):
         return None
-    k, n = int(attrs.get("K", 0)), int(attrs.get("N", 0))
-    if (attrs.get("bits", 4), attrs.get("block_size"), attrs.get("accuracy_level", 0)) != (4, 32, 0) or k % 32:
+    k, n, bits, level = int(attrs.get("K", 0)), int(attrs.get("N", 0)), attrs.get("bits", 4), attrs.get("accuracy_level", 0)
+    kind = {(4, 0): "int4", (4, 4): "int4x8", (8, 4): "int8x8"}.get((bits, level))
+    if kind is None or attrs.get("block_size") != 32 or k % 32:
         return None
     codes, scales = matrix(node.input[1], TensorProto.UINT8, 3), inits.get(node.input[2])
-    if codes is None or list(codes.dims) != [n, k // 32, 16] or scales is None \
+    if codes is None or list(codes.dims) != [n, k // 32, 4 * bits] or scales is None \
             or scales.data_type != TensorProto.FLOAT or int(np.prod(scales.dims)) != n * k // 32:
         return None
-    return Source("int4", (codes.name, scales.name), n)
+    return Source(kind, (codes.name, scales.name), n)
 
 
 def pack_int4(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -156,8 +178,7 @@ def pack_int4(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.nda
     n, blocks, _ = codes.shape
     panels = -(-n // PANEL)
     flat = np.full((panels * PANEL, blocks * 32), 8, np.uint8)
-    flat[:n, 0::2] = (codes & 15).reshape(n, -1)
-    flat[:n, 1::2] = (codes >> 4).reshape(n, -1)
+    flat[:n] = unpack_codes(codes, 4)
     per_panel = flat.reshape(panels, PANEL, blocks * 32).transpose(0, 2, 1)  # [P, K, 32]
     packed = np.ascontiguousarray(per_panel[..., :16] | (per_panel[..., 16:] << 4))
     s = np.zeros((panels * PANEL, blocks), np.float32)
@@ -165,19 +186,43 @@ def pack_int4(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.nda
     return packed, np.ascontiguousarray(s.reshape(panels, PANEL, blocks).transpose(0, 2, 1))
 
 
+def unpack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """MatMulNBits' codes [N, K/32, 4 * bits] as one code a byte, [N, K]."""
+    n = codes.shape[0]
+    if bits == 8:
+        return codes.reshape(n, -1)
+    out = np.empty((n, codes.shape[1], 32), np.uint8)
+    out[..., 0::2], out[..., 1::2] = codes & 15, codes >> 4
+    return out.reshape(n, -1)
+
+
+def pack_qx8(codes: np.ndarray, scales: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """MatMulNBits' 4- or 8-bit blocks as StreamMatMulQx8's panels (stream_int8.h): codes [P, K/4, 2, 64]
+    (8-bit) or [P, K/4, 2, 32] (4-bit, code t low and t + 32 high in byte t) where code t of a group of 16
+    columns is row 4 * quad + t % 4 of column t // 4; scales [P, K/32, 32]. Padding columns get the zero
+    code and scale 0."""
+    n, blocks = codes.shape[0], codes.shape[1]
+    k, panels = blocks * 32, -(-n // PANEL)
+    flat = np.full((panels * PANEL, k), 1 << (bits - 1), np.uint8)
+    flat[:n] = unpack_codes(codes, bits)
+    t = flat.reshape(panels, 2, 16, k // 4, 4).transpose(0, 3, 1, 2, 4).reshape(panels, k // 4, 2, 64)
+    packed = t if bits == 8 else t[..., :32] | (t[..., 32:] << 4)
+    s = np.zeros((panels * PANEL, blocks), np.float32)
+    s[:n] = scales.reshape(n, blocks)
+    return np.ascontiguousarray(packed), np.ascontiguousarray(s.reshape(panels, PANEL, blocks).transpose(0, 2, 1))
+
+
 def plan(model, mode: str, provider: str) -> Plan:
-    """Which MatMuls, Gemms and int4 MatMulNBits ``mode`` (auto, rlxrt, ort) rewrites in ``model`` (an onnx
+    """Which MatMuls, Gemms and MatMulNBits ``mode`` (auto, rlxrt, ort) rewrites in ``model`` (an onnx
     ModelProto, weights loaded or not) for a session whose first provider is ``provider``."""
     if mode == "ort":
         return Plan([], 0, "off: cpu_matmul = ort in config")
     if provider != "cpu":
         return Plan([], 0, f"off: the session runs on {provider}")
     inits = _initializers(model)
-    found = [(i, _source(n, inits)) for i, n in enumerate(_walk(model.graph))]
-    nodes = [i for i, w in found if w is not None]
-    read = {name for _, w in found if w is not None for name in w.names}
-    size = sum(int(np.prod(inits[name].dims)) * (1 if inits[name].data_type == 2 else 4) for name in read)
-    if not nodes:
+    walked = list(_walk(model.graph))
+    found = {i: w for i, w in ((i, _source(n, inits)) for i, n in enumerate(walked)) if w is not None}
+    if not found:
         return Plan([], 0, "off: no float32 MatMul over a weight in the graph")
     if library() is None:
         why = ("off: the kernel library was not built at install (no C compiler?); reinstall rlxrt with gcc or "
@@ -185,12 +230,23 @@ def plan(model, mode: str, provider: str) -> Plan:
         if mode == "rlxrt":
             raise ProviderError(f"cpu_matmul = rlxrt, but {why[5:]}, or set cpu_matmul = auto")
         return Plan([], 0, why)
-    if mode == "auto" and isa() not in WINS_ON:
+    if mode == "auto":  # only where the variant that would run was measured to win
+        wins = {False: isa() in WINS_ON, True: int8_isa() in INT8_WINS_ON}
+        found = {i: w for i, w in found.items() if wins[w.kind.endswith("x8")]}
+    read = {name for w in found.values() for name in w.names}
+    size = sum(int(np.prod(inits[name].dims)) * (1 if inits[name].data_type == 2 else 4) for name in read)
+    level4 = [i for i, n in enumerate(walked) if n.op_type == "MatMulNBits" and _attrs(n).get("accuracy_level") == 4]
+    exact = all(i in found for i in level4)
+    if not found:
         return Plan([], size, f"off: the kernel runs {isa()} here, where ONNX Runtime's MatMul was not measured "
                               "slower (cpu_matmul = rlxrt forces it)")
-    q4 = sum(w is not None and w.kind == "int4" for _, w in found)
-    return Plan(nodes, size, f"on: {len(nodes)} MatMuls{f' ({q4} int4)' if q4 else ''}, "
-                             f"{size / 2**20:.0f} MiB of weights, {isa()}")
+    kinds = [w.kind for w in found.values()]
+    q4, x8 = kinds.count("int4"), kinds.count("int4x8") + kinds.count("int8x8")
+    parts = [f"{q4} int4"] * bool(q4) + [f"{x8} with int8 activations"] * bool(x8)
+    isas = isa() + (f", {int8_isa()}" if x8 else "")
+    kinds_said = f" ({', '.join(parts)})" if parts else ""
+    return Plan(sorted(found), size, f"on: {len(found)} MatMuls{kinds_said}, {size / 2**20:.0f} MiB of weights, "
+                                     f"{isas}", bool(level4) and exact)
 
 
 def rewrite(model, chosen: Plan) -> None:
@@ -212,15 +268,17 @@ def rewrite(model, chosen: Plan) -> None:
             arrays = [numpy_helper.to_array(inits[name]) for name in source.names]
             if source.kind == "int4":
                 made = dict(zip(("codes", "scales"), pack_int4(*arrays)))
+            elif source.kind.endswith("x8"):
+                made = dict(zip(("codes_x8", "scales_x8"), pack_qx8(*arrays, 4 if source.kind == "int4x8" else 8)))
             else:
                 made = {"panels" + ("_t" if source.kind == "float_t" else ""):
                         pack(arrays[0].T if source.kind == "float_t" else arrays[0])}
             packed[source] = [f"{source.names[0]}.{suffix}" for suffix in made]
             model.graph.initializer.extend(numpy_helper.from_array(a, name)
                                            for a, name in zip(made.values(), packed[source]))
-        op = OP_Q4 if source.kind == "int4" else OP
-        node.CopyFrom(helper.make_node(op, [node.input[0], *packed[source]], list(node.output),
-                                       name=node.name or None, domain=DOMAIN, n=source.n))
+        bits = {"bits": 4 if source.kind == "int4x8" else 8} if source.kind.endswith("x8") else {}
+        node.CopyFrom(helper.make_node(OPS[source.kind], [node.input[0], *packed[source]], list(node.output),
+                                       name=node.name or None, domain=DOMAIN, n=source.n, **bits))
         for name in source.names:
             readers[name] -= 1
     replaced = {name for source in packed for name in source.names}

@@ -10,6 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 #if !defined(_WIN32)
 #include <pthread.h>
@@ -77,18 +78,43 @@ static Variant variant;
 /* which variant the kernel runs in this process (for rlxrt's Python side, through ctypes) */
 EXPORT const char *rlxrt_stream_matmul_isa(void) { return (variant.panels ? variant : choose_variant()).name; }
 
+#include "stream_int8.h"
+
+static Int8Variant int8;
+
+/* the same for the int8-activation kernel (avx512vnni or generic) */
+EXPORT const char *rlxrt_stream_matmul_int8_isa(void) { return (int8.panel ? int8 : choose_int8()).name; }
+
+enum { FLOAT_PANELS, INT4_PANELS, INT8_ACTIVATIONS }; /* StreamMatMul, StreamMatMulQ4, StreamMatMulQx8 */
 #define PANELS_PER_TASK 4
-typedef struct { const float *a, *w; const uint8_t *codes; const float *scales; float *y; int64_t M, K, N, P; } Job;
+typedef struct {
+  int kind, bits;
+  const float *a, *w, *scales;
+  const uint8_t *codes;
+  Quantised x;
+  float *y;
+  int64_t M, K, N, P;
+} Job;
 
 static void task(void *data, size_t i) {
   const Job *j = data;
   int64_t first = (int64_t)i * PANELS_PER_TASK, last = first + PANELS_PER_TASK;
-  variant.panels(j->a, j->w, j->codes, j->scales, j->y, j->M, j->K, j->N, first, last < j->P ? last : j->P);
+  last = last < j->P ? last : j->P;
+  if (j->kind != INT8_ACTIVATIONS) {
+    variant.panels(j->a, j->w, j->codes, j->scales, j->y, j->M, j->K, j->N, first, last);
+    return;
+  }
+  int64_t panel_bytes = j->K / 4 * 2 * (j->bits == 4 ? 32 : 64);
+  for (int64_t p = first; p < last; p++) {
+    int64_t width = j->N - p * PANEL < PANEL ? j->N - p * PANEL : PANEL;
+    int8.panel(j->x, j->codes + p * panel_bytes, j->scales + p * (j->K / 32) * PANEL, j->bits, j->M, j->K,
+               j->y + p * PANEL, j->N, width);
+  }
 }
 
 /* ---- the custom op ----------------------------------------------------------------------------------- */
 
-typedef struct { Api api; int64_t n; int q4; } Kernel;
+typedef struct { Api api; int64_t n, bits; int kind; } Kernel;
 
 typedef Status *(*GetInputFn)(const void *, size_t, const void **);
 typedef Status *(*GetOutputFn)(void *, size_t, const int64_t *, size_t, void **);
@@ -113,82 +139,108 @@ static Status *shape_of(Api api, const void *value, int *type, int64_t *dims, si
   return s;
 }
 
-/* the inputs' data, checked against the op's layout: a [..., K] float, then float panels [P, K, 32] or int4
- * codes [P, K, 16] and scales [P, K / 32, 32] */
+static const char *const NAMES[] = {"StreamMatMul", "StreamMatMulQ4", "StreamMatMulQx8"};
+
+/* whether the weights' shapes are what the op's layout says (dims of inputs 1 and 2, K from the weight) */
+static int layout_ok(const Kernel *kernel, const int64_t (*dims)[8], const size_t *rank, int64_t *K, int64_t *P) {
+  const int64_t *w = dims[1];
+  int64_t N = kernel->n;
+  if (kernel->kind == FLOAT_PANELS) {
+    *P = w[0], *K = w[1];
+    return rank[1] == 3 && w[2] == PANEL;
+  }
+  *P = w[0], *K = kernel->kind == INT4_PANELS ? w[1] : w[1] * 4;
+  int codes_ok = kernel->kind == INT4_PANELS ? rank[1] == 3 && w[2] == 16
+                                             : rank[1] == 4 && w[2] == 2 && w[3] == (kernel->bits == 4 ? 32 : 64);
+  return codes_ok && *K % 32 == 0 && rank[2] == 3 && dims[2][0] == *P && dims[2][1] == *K / 32 &&
+         dims[2][2] == PANEL && *P * PANEL >= N && (*P - 1) * PANEL < N;
+}
+
+/* y = a @ the weight: inputs checked against the op's layout (cpu_matmul.py writes them), the panels shared
+ * out over ONNX Runtime's intra-op threads; int8 activations are quantised first, each row on its own */
 static Status *compute(void *kernel_data, void *context) {
   const Kernel *kernel = kernel_data;
   Api api = kernel->api;
+  size_t inputs = kernel->kind == FLOAT_PANELS ? 2 : 3, rank[3] = {0, 0, 0};
   const void *in[3] = {NULL, NULL, NULL};
-  int64_t dims[3][8];
-  size_t rank[3] = {0, 0, 0};
+  int64_t dims[3][8], K = -1, P = -1;
   int type[3] = {0, 0, 0};
   Status *s = NULL;
-  for (size_t i = 0; i < (kernel->q4 ? 3u : 2u) && !s; i++) {
+  for (size_t i = 0; i < inputs && !s; i++) {
     s = CALL(api, KERNEL_CONTEXT_GET_INPUT, GetInputFn)(context, i, &in[i]);
     if (!s) s = shape_of(api, in[i], &type[i], dims[i], &rank[i]);
   }
   if (s) return s;
-  const int64_t *w = dims[1], *a_dims = dims[0];
+  if (type[0] != FLOAT || type[1] != (kernel->kind == FLOAT_PANELS ? FLOAT : UINT8) || (inputs == 3 && type[2] != FLOAT))
+    return fail(api, ORT_INVALID_ARGUMENT, "StreamMatMul: the inputs' element types are not the op's");
+  if (!layout_ok(kernel, (const int64_t (*)[8])dims, rank, &K, &P))
+    return fail(api, ORT_INVALID_ARGUMENT, "StreamMatMul: the weight's shape is not the op's packed layout");
+  const int64_t *a_dims = dims[0];
   size_t a_rank = rank[0];
-  int64_t N = kernel->n, K = rank[1] == 3 ? w[1] : -1, P = rank[1] == 3 ? w[0] : -1;
-  if (type[0] != FLOAT || type[1] != (kernel->q4 ? UINT8 : FLOAT) || (kernel->q4 && type[2] != FLOAT))
-    return fail(api, ORT_INVALID_ARGUMENT, kernel->q4 ? "StreamMatMulQ4: inputs must be float32, uint8, float32"
-                                                      : "StreamMatMul: both inputs must be float32");
-  if (rank[1] != 3 || w[2] != (kernel->q4 ? 16 : PANEL) || P * PANEL < N || (P - 1) * PANEL >= N)
-    return fail(api, ORT_INVALID_ARGUMENT, kernel->q4 ? "StreamMatMulQ4: codes must be [ceil(n/32), K, 16]"
-                                                      : "StreamMatMul: the weight must be panels [ceil(n/32), K, 32]");
-  if (kernel->q4 && (K % 32 || rank[2] != 3 || dims[2][0] != P || dims[2][1] != K / 32 || dims[2][2] != PANEL))
-    return fail(api, ORT_INVALID_ARGUMENT, "StreamMatMulQ4: K must be a multiple of 32 and scales [P, K/32, 32]");
   if (a_rank < 1 || a_dims[a_rank - 1] != K)
     return fail(api, ORT_INVALID_ARGUMENT, "StreamMatMul: the input's last dimension must equal the weight's K");
-  int64_t M = 1, y_dims[8];
+  int64_t M = 1, N = kernel->n, y_dims[8];
   for (size_t i = 0; i + 1 < a_rank; i++) { M *= a_dims[i]; y_dims[i] = a_dims[i]; }
   y_dims[a_rank - 1] = N;
   void *y_value = NULL, *data[3] = {NULL, NULL, NULL}, *y = NULL;
   s = CALL(api, KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(context, 0, y_dims, a_rank, &y_value);
-  for (size_t i = 0; i < (kernel->q4 ? 3u : 2u) && !s; i++)
-    s = CALL(api, GET_TENSOR_MUTABLE_DATA, DataFn)(in[i], &data[i]);
+  for (size_t i = 0; i < inputs && !s; i++) s = CALL(api, GET_TENSOR_MUTABLE_DATA, DataFn)(in[i], &data[i]);
   if (!s) s = CALL(api, GET_TENSOR_MUTABLE_DATA, DataFn)(y_value, &y);
   if (s || M == 0 || N == 0) return s;
-  Job job = {data[0], kernel->q4 ? NULL : data[1], kernel->q4 ? data[1] : NULL, data[2], y, M, K, N, P};
+  Job job = {kernel->kind, (int)kernel->bits, data[0], kernel->kind == FLOAT_PANELS ? data[1] : NULL, data[2],
+             kernel->kind == FLOAT_PANELS ? NULL : data[1], {NULL, NULL, NULL}, y, M, K, N, P};
+  void *scratch = NULL;
+  _Alignas(64) char small[16384]; /* a decode step's activations: no allocation */
+  if (kernel->kind == INT8_ACTIVATIONS) {
+    size_t bytes = (size_t)(M * K) + (size_t)(M * K / 32) * 8;
+    scratch = bytes <= sizeof small ? small : malloc(bytes);
+    if (!scratch) return fail(api, ORT_FAIL, "StreamMatMul: out of memory");
+    float *d = (float *)((char *)scratch + M * K);
+    int32_t *sums = (int32_t *)(d + M * K / 32);
+    quantise(job.a, M, K, (int8_t *)scratch, d, sums);
+    job.x = (Quantised){scratch, d, sums};
+  }
   size_t tasks = (size_t)((P + PANELS_PER_TASK - 1) / PANELS_PER_TASK);
-  return CALL(api, KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(context, task, tasks, 0, &job);
+  s = CALL(api, KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(context, task, tasks, 0, &job);
+  if (scratch && scratch != small) free(scratch);
+  return s;
 }
+
+static const CustomOp ops[3];
 
 static Status *create(const CustomOp *op, const void *api, const void *info, void **out) {
   Kernel *kernel = malloc(sizeof *kernel);
   if (!kernel) return fail(api, ORT_FAIL, "StreamMatMul: out of memory");
   kernel->api = api;
-  kernel->q4 = op->GetInputTypeCount(op) == 3;
+  kernel->kind = (int)(op - ops);
+  kernel->bits = 4;
   Status *s = CALL((Api)api, KERNEL_INFO_GET_ATTRIBUTE_INT64, AttrIntFn)(info, "n", &kernel->n);
   if (!s && kernel->n < 0) s = fail(api, ORT_INVALID_ARGUMENT, "StreamMatMul: attribute n must be >= 0");
+  if (!s && kernel->kind == INT8_ACTIVATIONS) {
+    s = CALL((Api)api, KERNEL_INFO_GET_ATTRIBUTE_INT64, AttrIntFn)(info, "bits", &kernel->bits);
+    if (!s && kernel->bits != 4 && kernel->bits != 8)
+      s = fail(api, ORT_INVALID_ARGUMENT, "StreamMatMulQx8: attribute bits must be 4 or 8");
+  }
   if (s) { free(kernel); return s; }
   *out = kernel;
   return NULL;
 }
 
 static void destroy(void *kernel) { free(kernel); }
-static const char *name(const CustomOp *op) { (void)op; return "StreamMatMul"; }
-static const char *name_q4(const CustomOp *op) { (void)op; return "StreamMatMulQ4"; }
+static const char *name(const CustomOp *op) { return NAMES[op - ops]; }
 static const char *provider(const CustomOp *op) { (void)op; return "CPUExecutionProvider"; }
+static int input_type(const CustomOp *op, size_t i) { return i == 1 && op != ops ? UINT8 : FLOAT; }
 static int float_type(const CustomOp *op, size_t i) { (void)op; (void)i; return FLOAT; }
-static int q4_type(const CustomOp *op, size_t i) { (void)op; return i == 1 ? UINT8 : FLOAT; }
-static size_t two(const CustomOp *op) { (void)op; return 2; }
-static size_t three(const CustomOp *op) { (void)op; return 3; }
+static size_t input_count(const CustomOp *op) { return op == ops ? 2 : 3; }
 static size_t one(const CustomOp *op) { (void)op; return 1; }
 static int zero(const CustomOp *op, size_t i) { (void)op; (void)i; return 0; } /* required; default memory */
 
-/* x @ float32 panels, and x @ int4 codes with their scales */
-static CustomOp ops[2] = {
-  {.version = 16, .GetName = name, .GetExecutionProviderType = provider, .GetInputType = float_type,
-   .GetInputTypeCount = two, .GetOutputType = float_type, .GetOutputTypeCount = one, .KernelDestroy = destroy,
-   .GetInputCharacteristic = zero, .GetOutputCharacteristic = zero, .GetInputMemoryType = zero,
-   .CreateKernelV2 = create, .KernelComputeV2 = compute},
-  {.version = 16, .GetName = name_q4, .GetExecutionProviderType = provider, .GetInputType = q4_type,
-   .GetInputTypeCount = three, .GetOutputType = float_type, .GetOutputTypeCount = one, .KernelDestroy = destroy,
-   .GetInputCharacteristic = zero, .GetOutputCharacteristic = zero, .GetInputMemoryType = zero,
-   .CreateKernelV2 = create, .KernelComputeV2 = compute},
-};
+#define OP {.version = 16, .GetName = name, .GetExecutionProviderType = provider, .GetInputType = input_type,    \
+            .GetInputTypeCount = input_count, .GetOutputType = float_type, .GetOutputTypeCount = one,           \
+            .KernelDestroy = destroy, .GetInputCharacteristic = zero, .GetOutputCharacteristic = zero,          \
+            .GetInputMemoryType = zero, .CreateKernelV2 = create, .KernelComputeV2 = compute}
+/* x @ float32 panels; x @ int4 codes with their scales; x as int8 @ 4- or 8-bit codes with their scales */
+static const CustomOp ops[3] = {OP, OP, OP};
 
 static const void *stream_matmul_api; /* the OrtApi table, set before the domain is made */
 typedef Status *(*CreateDomainFn)(const char *, void **);
@@ -201,9 +253,11 @@ static const char *domain_error;
 static void make_domain(void) {
   Api api = (Api)stream_matmul_api;
   variant = choose_variant();
+  int8 = choose_int8();
   if (CALL(api, CREATE_CUSTOM_OP_DOMAIN, CreateDomainFn)("ai.rlxrt", &domain) ||
       CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &ops[0]) ||
-      CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &ops[1]))
+      CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &ops[1]) ||
+      CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &ops[2]))
     domain_error = "rlxrt's StreamMatMul: onnxruntime refused its custom-op domain";
 }
 

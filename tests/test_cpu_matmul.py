@@ -59,6 +59,40 @@ def int4_model(w: np.ndarray, level: int = 0, zero_points: bool = False):
     return model, dequant
 
 
+def int8_model(w: np.ndarray):
+    """x [1, s, K] @ an 8-bit MatMulNBits at accuracy level 4 (the GGUF Q8_0 output layer's form); returns
+    (model, codes [N, K], scales [N, K/32])."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    k, n = w.shape
+    blocks = w.T.reshape(n, k // 32, 32)
+    scales = (np.abs(blocks).max(-1) / 127).astype(np.float32)
+    codes = (np.rint(blocks / np.where(scales > 0, scales, 1)[..., None]) + 128).clip(0, 255).astype(np.uint8)
+    node = helper.make_node("MatMulNBits", ["x", "codes", "scales"], ["y0"], domain="com.microsoft", K=k, N=n,
+                            bits=8, block_size=32, accuracy_level=4)
+    graph = helper.make_graph([node], "q8", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "s", k])],
+                              [helper.make_tensor_value_info("y0", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(codes, "codes"), numpy_helper.from_array(scales.reshape(-1), "scales")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+                              ir_version=10)
+    return model, codes.reshape(n, k), scales
+
+
+def int8_reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, zero: int) -> np.ndarray:
+    """stream_int8.h's arithmetic in numpy: activations quantised per row and block of 32 in float32, exact
+    integer dot products, then (s * d) * (dot - zero * sum_q) summed over blocks (float64 here)."""
+    m, k = x.shape
+    xb = x.reshape(m, k // 32, 32)
+    top = np.abs(xb).max(-1)
+    inverse = np.where(top > 0, np.float32(127) / np.where(top > 0, top, 1), np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inverse[..., None]).astype(np.int64)
+    d = (top / np.float32(127)).astype(np.float32)
+    dots = np.einsum("mbj,nbj->mbn", q, codes.reshape(codes.shape[0], k // 32, 32).astype(np.int64))
+    dots = dots - zero * q.sum(-1)[..., None]
+    sd = (scales.reshape(-1, k // 32).T[None].astype(np.float32) * d[..., None]).astype(np.float64)
+    return (sd * dots).sum(1)
+
+
 def session(model, threads: int = 1):
     import onnxruntime as ort
 
@@ -102,8 +136,33 @@ def check_kernel(threads: int) -> dict:
                 worst = max(worst, float(np.abs(y[0] - ref).max() / (np.abs(ref).max() + 1e-6)))
             for r in range(m):
                 assert np.array_equal(s.run(None, {"x": x[:, r:r + 1]})[0][0, 0], y[0, r]), ("int4", k, n, m, r)
+    for k, n in Q4_SHAPES:  # int8 activations over 4- and 8-bit codes
+        w = rng.standard_normal((k, n)).astype(np.float32)
+        for bits in (4, 8):
+            if bits == 4:
+                from rlxrt.exporters.fused import int4_blocks
+
+                model = int4_model(w, level=4)[0]
+                c4, sc = int4_blocks(w)
+                codes, scales, zero = cpu_matmul.unpack_codes(c4, 4), sc, 8
+            else:
+                model, codes, scales = int8_model(w)
+                zero = 128
+            s = session(model, threads)
+            assert [nd.op_type for nd in model.graph.node] == ["StreamMatMulQx8"]
+            for m in range(11):
+                x = rng.standard_normal((1, m, k)).astype(np.float32)
+                if m == 3:
+                    x[0, 1] = 0  # a row of zeros quantises to zeros
+                y = s.run(None, {"x": x})[0]
+                assert y.shape == (1, m, n)
+                if m:
+                    ref = int8_reference(x[0], codes, scales, zero)
+                    worst = max(worst, float(np.abs(y[0] - ref).max() / (np.abs(ref).max() + 1e-6)))
+                for r in range(m):
+                    assert np.array_equal(s.run(None, {"x": x[:, r:r + 1]})[0][0, 0], y[0, r]), ("x8", bits, k, n, m, r)
     assert worst < 1e-5, worst
-    return {"isa": cpu_matmul.isa(), "worst": worst}
+    return {"isa": cpu_matmul.isa(), "int8_isa": cpu_matmul.int8_isa(), "worst": worst}
 
 
 def isas() -> list[str]:
@@ -123,20 +182,27 @@ def test_every_vector_width_matches_numpy_and_computes_a_row_the_same_alone(isa)
         assert got["isa"] == isa and got["worst"] < 1e-5
 
 
-def test_int4_blocks_at_accuracy_level_0_only_and_without_zero_points():
+def test_which_matmulnbits_the_kernel_takes():
     from onnx import numpy_helper
 
     w = np.random.default_rng(4).standard_normal((64, 40)).astype(np.float32)
-    for kw in ({"level": 4}, {"zero_points": True}):
-        assert cpu_matmul.plan(int4_model(w, **kw)[0], "rlxrt", "cpu").nodes == []
+    assert cpu_matmul.plan(int4_model(w, zero_points=True)[0], "rlxrt", "cpu").nodes == []
     model, _ = int4_model(w)
     plan = cpu_matmul.plan(model, "rlxrt", "cpu")
-    assert plan.nodes == [0] and plan.state.startswith("on: 1 MatMuls (1 int4)")
+    assert plan.nodes == [0] and plan.state.startswith("on: 1 MatMuls (1 int4)") and not plan.int8_rows_exact
     cpu_matmul.rewrite(model, plan)
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     assert sorted(inits) == ["codes.codes", "codes.scales"]  # MatMulNBits' own blocks are dropped
     assert inits["codes.codes"].shape == (2, 64, 16) and inits["codes.scales"].shape == (2, 2, 32)
     assert not inits["codes.scales"][1, :, 8:].any() and (inits["codes.codes"][1, :, 8:16] == 0x88).all()
+    level4, _ = int4_model(w, level=4)
+    plan = cpu_matmul.plan(level4, "rlxrt", "cpu")
+    assert "1 with int8 activations" in plan.state and plan.int8_rows_exact
+    cpu_matmul.rewrite(level4, plan)
+    assert [(n.op_type, sorted((a.name, a.i) for a in n.attribute)) for n in level4.graph.node] == [
+        ("StreamMatMulQx8", [("bits", 4), ("n", 40)])]
+    codes = {t.name: numpy_helper.to_array(t) for t in level4.graph.initializer}["codes.codes_x8"]
+    assert codes.shape == (2, 16, 2, 32)
 
 
 def test_a_wrong_input_width_is_refused_and_the_session_goes_on():
@@ -322,6 +388,34 @@ def test_an_int4_target_through_the_kernel_stays_close_to_ort_and_speculates_exa
                 got = Session(g, spec, k=k).generate(prompt, max_new_tokens=30, ignore_eos=True).token_ids
                 assert got == plain[mode], (mode, k, type(spec).__name__)
     np.testing.assert_allclose(logits["rlxrt"], logits["ort"], atol=1e-4)  # the same dequantised weights
+
+
+
+@pytest.mark.export
+def test_an_int8_activation_target_speculates_exactly_over_the_kernel(exported, tmp_path):
+    """--int4-compute int8 is refused a speculator on ONNX Runtime's kernel (test_fused.py); on rlxrt's, whose
+    int8 activations are quantised row by row, greedy speculation equals plain greedy, and the logits stay
+    close to ONNX Runtime's level-4 kernel (the same quantisation, other roundings)."""
+    import rlxrt
+    from rlxrt.sessions import DraftModel, PromptLookup, Session, decoder_for
+
+    src = exported.source("llama", seed=4, init=0.02)
+    fast = tmp_path / "q4i8"
+    rlxrt.export(src, fast, quantize="int4", int4_compute="int8")
+    cfg = Config(intra_op_threads=1, cache=False, cpu_matmul="rlxrt")
+    g = compile(fast, cfg)
+    assert g.int8_rows_exact and "with int8 activations" in g.cpu_matmul and g.to_dict()["int8_rows_exact"]
+    assert not compile(fast, Config(intra_op_threads=1, cache=False, cpu_matmul="ort")).int8_rows_exact
+    ids = list(range(3, 40))
+    ours = decoder_for(g).forward(ids)
+    theirs = decoder_for(compile(fast, Config(intra_op_threads=1, cache=False, cpu_matmul="ort"))).forward(ids)
+    assert np.abs(ours - theirs).max() < 0.05 * max(1.0, np.abs(theirs).max())
+    prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
+    plain = Session(g).generate(prompt, max_new_tokens=30, ignore_eos=True).token_ids
+    for spec in (DraftModel(compile(fast, cfg)), PromptLookup()):
+        for k in (1, 3, 8):
+            got = Session(g, spec, k=k).generate(prompt, max_new_tokens=30, ignore_eos=True)
+            assert got.token_ids == plain and got.stats.drafted > 0, (k, type(spec).__name__)
 
 
 if __name__ == "__main__":  # one vector width per process: the kernel picks it once

@@ -1,0 +1,141 @@
+/* StreamMatMulQx8: y[M, N] = a[M, K] @ W[K, N] with W in 4- or 8-bit blocks of 32 rows and the activations
+ * quantised to int8, as MatMulNBits computes at accuracy level 4, but each row the same alone or among others
+ * (ONNX Runtime's level-4 kernel computes a (k+1)-row call differently from one-row calls).
+ *
+ * Activations, per row and block of 32: d = max |a| / 127, q = round(a / d) (to nearest even), sum_q.
+ * Weights: codes c (0..15 with zero 8, or 0..255 with zero 128) and a float scale s per column and block:
+ *     y[r, n] = sum over blocks b in order of (s[b, n] * d[r, b]) * (sum_k c[k, n] q[r, k] - zero * sum_q[r, b])
+ * with exact int32 dot products and one fused multiply-add per block into a float32 accumulator.
+ *
+ * Layout, per panel of 32 columns and quad of 4 rows k..k+3 (so one 32-bit lane holds a column's 4 codes):
+ * two groups of 16 columns, code t = 4 * column + (k % 4) of a group; 8-bit: 64 bytes a group, byte t;
+ * 4-bit: 32 bytes a group, byte i holding code i (low nibble) and code i + 32 (high). Scales [P, K / 32, 32].
+ */
+#define QCHUNK 6
+
+typedef struct { const int8_t *q; const float *d; const int32_t *sums; } Quantised;
+
+/* a [M, K] as int8 blocks of 32 into q [M, K], d and sums [M, K / 32] */
+static void quantise(const float *a, int64_t M, int64_t K, int8_t *q, float *d, int32_t *sums) {
+  for (int64_t i = 0; i < M * (K / 32); i++) {
+    const float *x = a + i * 32;
+    float top = 0.0f;
+    for (int j = 0; j < 32; j++) top = fabsf(x[j]) > top ? fabsf(x[j]) : top;
+    float scale = top / 127.0f, inverse = top > 0.0f ? 127.0f / top : 0.0f;
+    int32_t total = 0;
+    for (int j = 0; j < 32; j++) {
+      int32_t v = (int32_t)nearbyintf(x[j] * inverse);
+      q[i * 32 + j] = (int8_t)v;
+      total += v;
+    }
+    d[i] = scale;
+    sums[i] = total;
+  }
+}
+
+/* the dot products of one block (8 quads) for one row: generic C */
+static void generic_qpanel(Quantised x, const uint8_t *c, const float *s, int bits, int64_t M, int64_t K,
+                           float *y, int64_t ldy, int64_t width) {
+  int64_t group_bytes = bits == 4 ? 32 : 64, zero = bits == 4 ? 8 : 128;
+  for (int64_t r = 0; r < M; r++) {
+    float acc[PANEL] = {0};
+    for (int64_t b = 0; b < K / 32; b++) {
+      int32_t dot[PANEL] = {0};
+      for (int quad = 0; quad < 8; quad++)
+        for (int g = 0; g < 2; g++) {
+          const uint8_t *bytes = c + ((b * 8 + quad) * 2 + g) * group_bytes;
+          for (int t = 0; t < 64; t++) {
+            int code = bits == 8 ? bytes[t] : t < 32 ? bytes[t] & 15 : bytes[t - 32] >> 4;
+            dot[g * 16 + t / 4] += code * x.q[r * K + b * 32 + quad * 4 + t % 4];
+          }
+        }
+      float dr = x.d[r * (K / 32) + b];
+      for (int n = 0; n < PANEL; n++)
+        acc[n] = fmaf(s[b * PANEL + n] * dr, (float)(dot[n] - (int32_t)zero * x.sums[r * (K / 32) + b]), acc[n]);
+    }
+    memcpy(y + r * ldy, acc, width * sizeof(float));
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
+
+/* one group's 64 codes of a quad as bytes */
+VNNI AI __m512i vnni_codes(const uint8_t *bytes, int bits) {
+  if (bits == 8) return _mm512_loadu_si512(bytes);
+  __m256i raw = _mm256_loadu_si256((const __m256i *)bytes);
+  __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
+  return _mm512_and_si512(both, _mm512_set1_epi8(15));
+}
+
+VNNI AI void vnni_rows(int R, Quantised x, const uint8_t *c, const float *s, int bits, int64_t K, float *y,
+                       int64_t ldy) {
+  int64_t group_bytes = bits == 4 ? 32 : 64;
+  int32_t zero = bits == 4 ? 8 : 128;
+  __m512 acc[QCHUNK][2];
+  for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < K / 32; b++) {
+    __m512i dot[QCHUNK][2];
+    for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+    for (int quad = 0; quad < 8; quad++)
+      for (int g = 0; g < 2; g++) {
+        __m512i codes = vnni_codes(c + ((b * 8 + quad) * 2 + g) * group_bytes, bits);
+        for (int r = 0; r < R; r++) {
+          int32_t four;
+          memcpy(&four, x.q + r * K + b * 32 + quad * 4, 4);
+          dot[r][g] = _mm512_dpbusd_epi32(dot[r][g], codes, _mm512_set1_epi32(four));
+        }
+      }
+    __m512 s0 = _mm512_loadu_ps(s + b * PANEL), s1 = _mm512_loadu_ps(s + b * PANEL + 16);
+    for (int r = 0; r < R; r++) {
+      __m512i shift = _mm512_set1_epi32(zero * x.sums[r * (K / 32) + b]);
+      __m512 dr = _mm512_set1_ps(x.d[r * (K / 32) + b]);
+      acc[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(s0, dr), _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][0], shift)), acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(s1, dr), _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][1], shift)), acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    _mm512_storeu_ps(y + r * ldy, acc[r][0]);
+    _mm512_storeu_ps(y + r * ldy + 16, acc[r][1]);
+  }
+}
+
+VNNI static void vnni_qpanel(Quantised x, const uint8_t *c, const float *s, int bits, int64_t M, int64_t K,
+                             float *y, int64_t ldy, int64_t width) {
+  float tail[QCHUNK * PANEL];
+  for (int64_t m = 0; m < M; m += QCHUNK) {
+    int rows = (int)(M - m < QCHUNK ? M - m : QCHUNK);
+    Quantised xm = {x.q + m * K, x.d + m * (K / 32), x.sums + m * (K / 32)};
+    float *out = width == PANEL ? y + m * ldy : tail;
+    int64_t ld = width == PANEL ? ldy : PANEL;
+    switch (rows) { /* constant row counts: the accumulators stay in registers */
+      case 1: vnni_rows(1, xm, c, s, bits, K, out, ld); break;
+      case 2: vnni_rows(2, xm, c, s, bits, K, out, ld); break;
+      case 3: vnni_rows(3, xm, c, s, bits, K, out, ld); break;
+      case 4: vnni_rows(4, xm, c, s, bits, K, out, ld); break;
+      case 5: vnni_rows(5, xm, c, s, bits, K, out, ld); break;
+      default: vnni_rows(6, xm, c, s, bits, K, out, ld); break;
+    }
+    if (width < PANEL)
+      for (int r = 0; r < rows; r++) memcpy(y + (m + r) * ldy, tail + r * PANEL, width * sizeof(float));
+  }
+}
+#endif
+
+typedef void (*QPanelFn)(Quantised, const uint8_t *, const float *, int, int64_t, int64_t, float *, int64_t, int64_t);
+typedef struct { QPanelFn panel; const char *name; } Int8Variant;
+
+/* VNNI where the CPU has it (and RLXRT_STREAM_MATMUL_ISA does not say generic), else generic C */
+static Int8Variant choose_int8(void) {
+  Int8Variant generic = {generic_qpanel, "generic"};
+  const char *isa = getenv("RLXRT_STREAM_MATMUL_ISA");
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  if (!(isa && !strcmp(isa, "generic")) && __builtin_cpu_supports("avx512vnni") &&
+      __builtin_cpu_supports("avx512bw"))
+    return (Int8Variant){vnni_qpanel, "avx512vnni"};
+#endif
+  (void)isa;
+  return generic;
+}
