@@ -177,3 +177,26 @@ def test_bench_serve_and_soak_commands(tmp_path):
     soak = json.loads((out / "soak.json").read_text())
     assert soak["requests"] == 24 and soak["errors"] == 0 and soak["mismatches"] == 0
     assert soak["replayed_alone"] == 24 - soak["closed_early_by_client"] and soak["workers_idle_after"]
+
+
+def test_ray_proxy_that_misses_its_readiness_check_is_started_again_then_a_typed_error():
+    pytest.importorskip("ray")
+    from ray.exceptions import RayActorError
+
+    from rlxrt.app.serve import run
+    from rlxrt.errors import RlxrtError
+
+    class Serve:
+        def __init__(self, failures):
+            self.failures, self.calls = failures, 0
+
+        def start(self, http_options):
+            self.calls += 1
+            if self.calls <= self.failures:
+                raise RayActorError()
+
+    flaky = Serve(run.PROXY_TRIES - 1)
+    run._start_proxy(flaky, "127.0.0.1", 1234)
+    assert flaky.calls == run.PROXY_TRIES
+    with pytest.raises(RlxrtError, match=r"HTTP proxy on 127.0.0.1:1234 in 3 tries.*port is free"):
+        run._start_proxy(Serve(run.PROXY_TRIES), "127.0.0.1", 1234)

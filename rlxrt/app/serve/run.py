@@ -32,7 +32,7 @@ def serve_ray(opts: ServeOptions, host: str, port: int, replicas: int, address: 
 
     ray.init(address=address, include_dashboard=False, configure_logging=False,
              **({} if address else {"num_cpus": max(replicas, 1)}))
-    serve.start(http_options={"host": host, "port": port})
+    _start_proxy(serve, host, port)
     serve.run(deployment(opts, replicas), name="rlxrt", route_prefix="/", blocking=False)
     states = serve.status().applications["rlxrt"].deployments["rlxrt"].replica_states
     running = states.get("RUNNING", 0)
@@ -51,3 +51,26 @@ def serve_ray(opts: ServeOptions, host: str, port: int, replicas: int, address: 
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+PROXY_TRIES = 3
+
+
+def _start_proxy(serve, host: str, port: int) -> None:
+    """``serve.start`` with a few tries: on a busy machine Ray's HTTP proxy can miss its 5 s readiness check,
+    and Ray then kills it; a failure after the last try is a typed error, not a traceback."""
+    from ray.exceptions import RayActorError
+
+    from rlxrt.errors import RlxrtError
+
+    for attempt in range(1, PROXY_TRIES + 1):
+        try:
+            serve.start(http_options={"host": host, "port": port})
+            return
+        except RayActorError as exc:
+            if attempt == PROXY_TRIES:
+                raise RlxrtError(f"Ray Serve could not start its HTTP proxy on {host}:{port} in {PROXY_TRIES} tries "
+                                 f"({type(exc).__name__}); check that the port is free and the machine is not "
+                                 "overloaded, then start again") from None
+            print(f"rlxrt: Ray Serve's HTTP proxy did not start (try {attempt} of {PROXY_TRIES}); trying again",
+                  file=sys.stderr, flush=True)
