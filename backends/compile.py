@@ -80,9 +80,6 @@ class CompiledGraph:
     """The move of the weights onto huge pages (CPU sessions): ``.state``, ``.wait()``."""
     cpu_matmul: str = "off: not requested"
     """Whether rlxrt's MatMul kernel replaced ONNX Runtime's (``on: N MatMuls, …`` or ``off: why``)."""
-    int8_rows_exact: bool = False
-    """An int8-activation graph (MatMulNBits at accuracy level 4) whose every such node runs rlxrt's kernel,
-    which computes a row the same alone or in a verification: speculation over it is as exact as over fp32."""
 
     @property
     def input_names(self) -> list[str]:
@@ -96,7 +93,7 @@ class CompiledGraph:
         return {
             "path": str(self.path), "providers": self.providers, "requested": self.requested,
             "fallbacks": self.fallbacks, "cache": self.cache, "huge_pages": self.huge_pages.state,
-            "cpu_matmul": self.cpu_matmul, "int8_rows_exact": self.int8_rows_exact,
+            "cpu_matmul": self.cpu_matmul,
             "cache_path": str(self.cache_path) if self.cache_path else None,
             "load_seconds": round(self.load_seconds, 4),
             "inputs": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in self.inputs],
@@ -226,7 +223,6 @@ def compile(model: str | os.PathLike, config: Config | None = None, *,
         requested=list(config.providers), fallbacks=fallbacks, inputs=inputs, outputs=outputs,
         cache=cache_state, cache_path=cache_path, load_seconds=time.perf_counter() - start, config=config,
         errors=ort_errors(ort), huge_pages=pages, cpu_matmul=matmul.state,
-        int8_rows_exact=bool(matmul.nodes) and matmul.int8_rows_exact,
     )
 
 

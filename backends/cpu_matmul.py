@@ -99,9 +99,6 @@ class Plan:
     """Bytes of their weights (a weight read by several of them counted once)."""
     state: str
     """``on: ...`` or ``off: why``."""
-    int8_rows_exact: bool = False
-    """The graph computes with int8 activations (MatMulNBits at accuracy level 4) and every such node is
-    rewritten: a row's output is then the same alone or in a verification, as in a float32 graph."""
 
 
 class Source(NamedTuple):
@@ -235,8 +232,6 @@ def plan(model, mode: str, provider: str) -> Plan:
         found = {i: w for i, w in found.items() if wins[w.kind.endswith("x8")]}
     read = {name for w in found.values() for name in w.names}
     size = sum(int(np.prod(inits[name].dims)) * (1 if inits[name].data_type == 2 else 4) for name in read)
-    level4 = [i for i, n in enumerate(walked) if n.op_type == "MatMulNBits" and _attrs(n).get("accuracy_level") == 4]
-    exact = all(i in found for i in level4)
     if not found:
         return Plan([], size, f"off: the kernel runs {isa()} here, where ONNX Runtime's MatMul was not measured "
                               "slower (cpu_matmul = rlxrt forces it)")
@@ -246,7 +241,7 @@ def plan(model, mode: str, provider: str) -> Plan:
     isas = isa() + (f", {int8_isa()}" if x8 else "")
     kinds_said = f" ({', '.join(parts)})" if parts else ""
     return Plan(sorted(found), size, f"on: {len(found)} MatMuls{kinds_said}, {size / 2**20:.0f} MiB of weights, "
-                                     f"{isas}", bool(level4) and exact)
+                                     f"{isas}")
 
 
 def rewrite(model, chosen: Plan) -> None:

@@ -189,7 +189,7 @@ def test_which_matmulnbits_the_kernel_takes():
     assert cpu_matmul.plan(int4_model(w, zero_points=True)[0], "rlxrt", "cpu").nodes == []
     model, _ = int4_model(w)
     plan = cpu_matmul.plan(model, "rlxrt", "cpu")
-    assert plan.nodes == [0] and plan.state.startswith("on: 1 MatMuls (1 int4)") and not plan.int8_rows_exact
+    assert plan.nodes == [0] and plan.state.startswith("on: 1 MatMuls (1 int4)")
     cpu_matmul.rewrite(model, plan)
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     assert sorted(inits) == ["codes.codes", "codes.scales"]  # MatMulNBits' own blocks are dropped
@@ -197,7 +197,7 @@ def test_which_matmulnbits_the_kernel_takes():
     assert not inits["codes.scales"][1, :, 8:].any() and (inits["codes.codes"][1, :, 8:16] == 0x88).all()
     level4, _ = int4_model(w, level=4)
     plan = cpu_matmul.plan(level4, "rlxrt", "cpu")
-    assert "1 with int8 activations" in plan.state and plan.int8_rows_exact
+    assert "1 with int8 activations" in plan.state
     cpu_matmul.rewrite(level4, plan)
     assert [(n.op_type, sorted((a.name, a.i) for a in n.attribute)) for n in level4.graph.node] == [
         ("StreamMatMulQx8", [("bits", 4), ("n", 40)])]
@@ -392,30 +392,28 @@ def test_an_int4_target_through_the_kernel_stays_close_to_ort_and_speculates_exa
 
 
 @pytest.mark.export
-def test_an_int8_activation_target_speculates_exactly_over_the_kernel(exported, tmp_path):
-    """--int4-compute int8 is refused a speculator on ONNX Runtime's kernel (test_fused.py); on rlxrt's, whose
-    int8 activations are quantised row by row, greedy speculation equals plain greedy, and the logits stay
-    close to ONNX Runtime's level-4 kernel (the same quantisation, other roundings)."""
+def test_an_int8_activation_target_runs_the_kernel_close_to_ort_and_still_refuses_speculation(exported, tmp_path):
+    """--int4-compute int8 through rlxrt's int8 kernel: close to ONNX Runtime's level-4 kernel (the same
+    quantisation, other roundings), and still refused a speculator. The kernel computes a row the same alone or
+    among others, but the rest of the graph does not (GroupQueryAttention's many-row path differs from its
+    one-row path by ~1e-5), and quantising the activations turns such a difference into a different int8 value
+    now and then: on SmolLM2 a greedy reply with a head parted from the plain one within 64 tokens."""
     import rlxrt
-    from rlxrt.sessions import DraftModel, PromptLookup, Session, decoder_for
+    from rlxrt.errors import GenerationError
+    from rlxrt.sessions import PromptLookup, Session, decoder_for
 
     src = exported.source("llama", seed=4, init=0.02)
     fast = tmp_path / "q4i8"
     rlxrt.export(src, fast, quantize="int4", int4_compute="int8")
-    cfg = Config(intra_op_threads=1, cache=False, cpu_matmul="rlxrt")
-    g = compile(fast, cfg)
-    assert g.int8_rows_exact and "with int8 activations" in g.cpu_matmul and g.to_dict()["int8_rows_exact"]
-    assert not compile(fast, Config(intra_op_threads=1, cache=False, cpu_matmul="ort")).int8_rows_exact
+    g = compile(fast, Config(intra_op_threads=1, cache=False, cpu_matmul="rlxrt"))
+    assert "with int8 activations" in g.cpu_matmul
     ids = list(range(3, 40))
     ours = decoder_for(g).forward(ids)
     theirs = decoder_for(compile(fast, Config(intra_op_threads=1, cache=False, cpu_matmul="ort"))).forward(ids)
     assert np.abs(ours - theirs).max() < 0.05 * max(1.0, np.abs(theirs).max())
-    prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
-    plain = Session(g).generate(prompt, max_new_tokens=30, ignore_eos=True).token_ids
-    for spec in (DraftModel(compile(fast, cfg)), PromptLookup()):
-        for k in (1, 3, 8):
-            got = Session(g, spec, k=k).generate(prompt, max_new_tokens=30, ignore_eos=True)
-            assert got.token_ids == plain and got.stats.drafted > 0, (k, type(spec).__name__)
+    assert len(Session(g).generate("def f(x):", max_new_tokens=12, ignore_eos=True).token_ids) == 12
+    with pytest.raises(GenerationError, match="int8 activations"):
+        Session(g, PromptLookup())
 
 
 if __name__ == "__main__":  # one vector width per process: the kernel picks it once

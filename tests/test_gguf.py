@@ -129,10 +129,6 @@ def test_gguf_int4_keeps_the_files_own_blocks(exported, tmp_path, monkeypatch):
     bits = {a.i for n in onnx.load(str(tmp_path / "q4i8" / "model.onnx")).graph.node if n.op_type == "MatMulNBits"
             for a in n.attribute if a.name == "bits"}
     assert bits == {4, 8}
-    exact = rlxrt.Config(intra_op_threads=1, cache=False, cpu_matmul="rlxrt")  # rlxrt's int8 kernel: row by row
-    plain = Session(tmp_path / "q4i8", None, exact).generate(prompt, max_new_tokens=24, ignore_eos=True).token_ids
-    g = Session(tmp_path / "q4i8", PromptLookup(), exact, k=3).generate(prompt, max_new_tokens=24, ignore_eos=True)
-    assert g.token_ids == plain and g.stats.drafted > 0
 
     monkeypatch.setattr(gguf_blocks, "matched", lambda *a: {})  # control: the dequantised weights quantised again
     again = rlxrt.export(gguf, tmp_path / "again", quantize="int4", atol=10).manifest
