@@ -80,6 +80,9 @@ class CompiledGraph:
     """The move of the weights onto huge pages (CPU sessions): ``.state``, ``.wait()``."""
     cpu_matmul: str = "off: not requested"
     """Whether rlxrt's MatMul kernel replaced ONNX Runtime's (``on: N MatMuls, …`` or ``off: why``)."""
+    rows_exact: bool = False
+    """Every MatMul-like node and every attention runs rlxrt's kernels: a row's output is bitwise the same alone
+    or in a (k+1)-row verification (cpu_matmul.Plan.rows_exact)."""
 
     @property
     def input_names(self) -> list[str]:
@@ -93,7 +96,7 @@ class CompiledGraph:
         return {
             "path": str(self.path), "providers": self.providers, "requested": self.requested,
             "fallbacks": self.fallbacks, "cache": self.cache, "huge_pages": self.huge_pages.state,
-            "cpu_matmul": self.cpu_matmul,
+            "cpu_matmul": self.cpu_matmul, "rows_exact": self.rows_exact,
             "cache_path": str(self.cache_path) if self.cache_path else None,
             "load_seconds": round(self.load_seconds, 4),
             "inputs": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in self.inputs],
@@ -223,6 +226,7 @@ def compile(model: str | os.PathLike, config: Config | None = None, *,
         requested=list(config.providers), fallbacks=fallbacks, inputs=inputs, outputs=outputs,
         cache=cache_state, cache_path=cache_path, load_seconds=time.perf_counter() - start, config=config,
         errors=ort_errors(ort), huge_pages=pages, cpu_matmul=matmul.state,
+        rows_exact=bool(matmul.nodes) and matmul.rows_exact,
     )
 
 

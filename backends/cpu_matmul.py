@@ -30,6 +30,8 @@ DOMAIN = "ai.rlxrt"
 OPS = {"float": "StreamMatMul", "float_t": "StreamMatMul", "int4": "StreamMatMulQ4", "int4x8": "StreamMatMulQx8",
        "int8x8": "StreamMatMulQx8"}
 """The op each kind of weight becomes."""
+ATTENTION = "StreamAttention"
+"""What GroupQueryAttention becomes (stream_attention.h): a query row computed the same whatever the others."""
 PANEL = 32
 """Columns per packed panel (two 16-float vectors)."""
 KERNEL_VERSION = "1"
@@ -99,6 +101,9 @@ class Plan:
     """Bytes of their weights (a weight read by several of them counted once)."""
     state: str
     """``on: ...`` or ``off: why``."""
+    rows_exact: bool = False
+    """Every MatMul-like node and every attention of the graph runs rlxrt's kernels, so that (the other ops of a
+    fused graph being row by row) a row's output is bitwise the same alone or in a verification."""
 
 
 class Source(NamedTuple):
@@ -183,6 +188,28 @@ def pack_int4(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.nda
     return packed, np.ascontiguousarray(s.reshape(panels, PANEL, blocks).transpose(0, 2, 1))
 
 
+def _attention(node, inits: dict) -> dict | None:
+    """StreamAttention's attributes for a GroupQueryAttention node it can take, else None: the form rlxrt's
+    fused float32 graphs write (rotary inside, rotate-half, no softcap, no extra inputs, float32 cos/sin
+    caches, a head size that is a multiple of 16 up to 256)."""
+    from onnx import TensorProto
+
+    if node.op_type != "GroupQueryAttention" or node.domain != "com.microsoft" or len(node.input) < 9 \
+            or any(node.input[9:]):
+        return None
+    attrs = _attrs(node)
+    cos = inits.get(node.input[7])
+    if (attrs.get("do_rotary"), attrs.get("rotary_interleaved", 0), attrs.get("softcap", 0.0),
+            attrs.get("smooth_softmax", 0)) != (1, 0, 0.0, 0) or cos is None or cos.data_type != TensorProto.FLOAT \
+            or len(cos.dims) != 2:
+        return None
+    d = 2 * int(cos.dims[1])
+    if d % 16 or d > 256:
+        return None
+    return {"num_heads": int(attrs["num_heads"]), "kv_num_heads": int(attrs["kv_num_heads"]),
+            "scale": float(attrs.get("scale") or 1.0 / d ** 0.5), "local_window_size": int(attrs.get("local_window_size", -1))}
+
+
 def unpack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     """MatMulNBits' codes [N, K/32, 4 * bits] as one code a byte, [N, K]."""
     n = codes.shape[0]
@@ -219,7 +246,8 @@ def plan(model, mode: str, provider: str) -> Plan:
     inits = _initializers(model)
     walked = list(_walk(model.graph))
     found = {i: w for i, w in ((i, _source(n, inits)) for i, n in enumerate(walked)) if w is not None}
-    if not found:
+    attention = [i for i, n in enumerate(walked) if _attention(n, inits) is not None]
+    if not found and not attention:
         return Plan([], 0, "off: no float32 MatMul over a weight in the graph")
     if library() is None:
         why = ("off: the kernel library was not built at install (no C compiler?); reinstall rlxrt with gcc or "
@@ -230,18 +258,23 @@ def plan(model, mode: str, provider: str) -> Plan:
     if mode == "auto":  # only where the variant that would run was measured to win
         wins = {False: isa() in WINS_ON, True: int8_isa() in INT8_WINS_ON}
         found = {i: w for i, w in found.items() if wins[w.kind.endswith("x8")]}
+        attention = attention if wins[False] else []
     read = {name for w in found.values() for name in w.names}
     size = sum(int(np.prod(inits[name].dims)) * (1 if inits[name].data_type == 2 else 4) for name in read)
-    if not found:
+    if not found and not attention:
         return Plan([], size, f"off: the kernel runs {isa()} here, where ONNX Runtime's MatMul was not measured "
                               "slower (cpu_matmul = rlxrt forces it)")
     kinds = [w.kind for w in found.values()]
     q4, x8 = kinds.count("int4"), kinds.count("int4x8") + kinds.count("int8x8")
     parts = [f"{q4} int4"] * bool(q4) + [f"{x8} with int8 activations"] * bool(x8)
     isas = isa() + (f", {int8_isa()}" if x8 else "")
+    matmuls = [i for i, n in enumerate(walked) if n.op_type in ("MatMul", "Gemm", "MatMulNBits", "MatMulInteger",
+                                                                  "FusedMatMul", "GroupQueryAttention", "Attention")]
+    exact = all(i in found or i in attention for i in matmuls)
     kinds_said = f" ({', '.join(parts)})" if parts else ""
-    return Plan(sorted(found), size, f"on: {len(found)} MatMuls{kinds_said}, {size / 2**20:.0f} MiB of weights, "
-                                     f"{isas}")
+    att_said = f", {len(attention)} attention" if attention else ""
+    return Plan(sorted([*found, *attention]), size, f"on: {len(found)} MatMuls{kinds_said}{att_said}, "
+                                                    f"{size / 2**20:.0f} MiB of weights, {isas}", exact)
 
 
 def rewrite(model, chosen: Plan) -> None:
@@ -257,6 +290,11 @@ def rewrite(model, chosen: Plan) -> None:
             readers[name] = readers.get(name, 0) + 1
     packed: dict[Source, list[str]] = {}
     for node in (everything[i] for i in chosen.nodes):
+        attention = _attention(node, inits)
+        if attention is not None:
+            node.CopyFrom(helper.make_node(ATTENTION, list(node.input[:9]), list(node.output), name=node.name or None,
+                                           domain=DOMAIN, **attention))
+            continue
         source = _source(node, inits)
         assert source is not None, f"node {node.name!r} ({node.op_type}) is not what the plan read"
         if source not in packed:

@@ -27,11 +27,11 @@
 typedef void Status; /* OrtStatus*: NULL is success */
 typedef const void *const *Api;
 
-enum { FLOAT = 1, UINT8 = 2, ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2, API_VERSION = 17 };
+enum { FLOAT = 1, UINT8 = 2, INT32 = 6, ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2, API_VERSION = 17 };
 enum { /* OrtApi slots */
   CREATE_STATUS = 0, CREATE_CUSTOM_OP_DOMAIN = 26, CUSTOM_OP_DOMAIN_ADD = 27, ADD_CUSTOM_OP_DOMAIN = 28,
   GET_TENSOR_MUTABLE_DATA = 51, GET_TENSOR_ELEMENT_TYPE = 60, GET_DIMENSIONS_COUNT = 61, GET_DIMENSIONS = 62,
-  GET_TENSOR_TYPE_AND_SHAPE = 65, KERNEL_INFO_GET_ATTRIBUTE_INT64 = 86, KERNEL_CONTEXT_GET_INPUT = 90,
+  GET_TENSOR_TYPE_AND_SHAPE = 65, KERNEL_INFO_GET_ATTRIBUTE_FLOAT = 85, KERNEL_INFO_GET_ATTRIBUTE_INT64 = 86, KERNEL_CONTEXT_GET_INPUT = 90,
   KERNEL_CONTEXT_GET_OUTPUT = 91, RELEASE_TENSOR_TYPE_AND_SHAPE_INFO = 99, KERNEL_CONTEXT_PARALLEL_FOR = 274,
 };
 
@@ -139,6 +139,8 @@ static Status *shape_of(Api api, const void *value, int *type, int64_t *dims, si
   return s;
 }
 
+#include "stream_attention.h"
+
 static const char *const NAMES[] = {"StreamMatMul", "StreamMatMulQ4", "StreamMatMulQx8"};
 
 /* whether the weights' shapes are what the op's layout says (dims of inputs 1 and 2, K from the weight) */
@@ -242,6 +244,13 @@ static int zero(const CustomOp *op, size_t i) { (void)op; (void)i; return 0; } /
 /* x @ float32 panels; x @ int4 codes with their scales; x as int8 @ 4- or 8-bit codes with their scales */
 static const CustomOp ops[3] = {OP, OP, OP};
 
+static const CustomOp attention_op = {
+  .version = 16, .GetName = attention_name, .GetExecutionProviderType = provider,
+  .GetInputType = attention_input_type, .GetInputTypeCount = nine, .GetOutputType = float_type,
+  .GetOutputTypeCount = three_out, .KernelDestroy = destroy, .GetInputCharacteristic = optional_kv,
+  .GetOutputCharacteristic = zero, .GetInputMemoryType = zero, .CreateKernelV2 = attention_create,
+  .KernelComputeV2 = attention_compute};
+
 static const void *stream_matmul_api; /* the OrtApi table, set before the domain is made */
 typedef Status *(*CreateDomainFn)(const char *, void **);
 typedef Status *(*DomainAddFn)(void *, const CustomOp *);
@@ -254,10 +263,12 @@ static void make_domain(void) {
   Api api = (Api)stream_matmul_api;
   variant = choose_variant();
   int8 = choose_int8();
+  attention_head = choose_attention();
   if (CALL(api, CREATE_CUSTOM_OP_DOMAIN, CreateDomainFn)("ai.rlxrt", &domain) ||
       CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &ops[0]) ||
       CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &ops[1]) ||
-      CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &ops[2]))
+      CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &ops[2]) ||
+      CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &attention_op))
     domain_error = "rlxrt's StreamMatMul: onnxruntime refused its custom-op domain";
 }
 

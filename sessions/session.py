@@ -137,12 +137,15 @@ class Session:
         graph = target if isinstance(target, CompiledGraph) else compile(target, config)
         self.target = decoder_for(graph)
         self.manifest = self.target.manifest
-        if speculator is not None and (self.manifest.quantization or {}).get("speculation") is False:
+        if speculator is not None and (self.manifest.quantization or {}).get("speculation") is False \
+                and not graph.rows_exact:
             raise GenerationError(
                 f"{graph.path.parent} is an int4 graph computed with int8 activations "
-                f"(accuracy level {self.manifest.quantization.get('accuracy_level')}): its (k+1)-row verification "
-                "differs from one-row steps, so speculative output would not equal plain output; decode it "
-                "without a speculator, or export the target with --int4-compute fp32 to speculate")
+                f"(accuracy level {self.manifest.quantization.get('accuracy_level')}) on ONNX Runtime's kernels "
+                f"(rlxrt's: {graph.cpu_matmul}): there its (k+1)-row verification differs from one-row steps, so "
+                "speculative output would not equal plain output; decode it without a speculator, compile it with "
+                "cpu_matmul = rlxrt (whose kernels compute a row the same in both), or export the target with "
+                "--int4-compute fp32 to speculate")
         self.codec = codec_for(graph)
         self._graph = graph
         self._chat: ChatTemplate | None = None

@@ -1,0 +1,209 @@
+/* StreamAttention: ONNX Runtime's GroupQueryAttention as rlxrt's fused graphs use it (rotary inside, one KV
+ * buffer per tensor bound as both past and present, causal, an optional local window), computed so that a
+ * query row's output is bitwise the same whatever the other rows of the call: ONNX Runtime's many-row path
+ * differs from its one-row path by ~1e-7, which is all that kept a verification from equalling one-row steps
+ * bit for bit once the MatMuls are rlxrt's.
+ *
+ * New token i of S sits at position p = seqlens_k + 1 - S + i. Its key (rotated) and value are written at p;
+ * then for each query head h (kv head h / (H / KV)) and row i, over the keys j = lo .. p (lo = p - window + 1
+ * with a window, else 0), in this order:
+ *     s_j = scale * q_h . k_j    (a 16-lane dot product, its lanes summed in a fixed tree)
+ *     m = max s_j,  e_j = exp(s_j - m),  z = sum e_j,  out = (sum e_j * v_j) / z
+ * Rotary (rotate-half): x'[d] = x[d] cos - x[d + D/2] sin, x'[d + D/2] = x[d + D/2] cos + x[d] sin.
+ */
+#define ATT_LANES 16
+typedef float att_vec __attribute__((vector_size(ATT_LANES * 4)));
+
+typedef struct {
+  const float *q;        /* rotated queries [S, H, D] */
+  const float *keys, *values; /* the present buffers [KV, CAP, D] */
+  float *out;            /* [S, H * D] */
+  int64_t S, H, KV, D, cap, first, window;
+  float scale;
+} Attention;
+
+#define ATT_VARIANT(NAME, TARGET)                                                                            \
+  TARGET AI float NAME##_dot(const float *a, const float *b, int64_t D) {                                   \
+    att_vec acc = {0};                                                                                       \
+    for (int64_t d = 0; d < D; d += ATT_LANES) {                                                             \
+      att_vec x, y;                                                                                          \
+      memcpy(&x, a + d, sizeof x);                                                                           \
+      memcpy(&y, b + d, sizeof y);                                                                           \
+      acc += x * y;                                                                                          \
+    }                                                                                                        \
+    for (int width = ATT_LANES / 2; width > 0; width /= 2) /* lanes summed pairwise, a fixed tree */         \
+      for (int l = 0; l < width; l++) acc[l] += acc[l + width];                                              \
+    return acc[0];                                                                                           \
+  }                                                                                                          \
+  /* head h for every row: scores, softmax and the weighted values, in key order */                          \
+  TARGET static void NAME##_head(const Attention *t, int64_t h, float *scores) {                             \
+    const float *keys = t->keys + (h / (t->H / t->KV)) * t->cap * t->D;                                     \
+    const float *values = t->values + (h / (t->H / t->KV)) * t->cap * t->D;                                 \
+    for (int64_t i = 0; i < t->S; i++) {                                                                     \
+      int64_t p = t->first + i, lo = t->window > 0 && p - t->window + 1 > 0 ? p - t->window + 1 : 0;         \
+      const float *q = t->q + (i * t->H + h) * t->D;                                                         \
+      float top = -INFINITY;                                                                                 \
+      for (int64_t j = lo; j <= p; j++) {                                                                    \
+        scores[j - lo] = t->scale * NAME##_dot(q, keys + j * t->D, t->D);                                    \
+        top = scores[j - lo] > top ? scores[j - lo] : top;                                                   \
+      }                                                                                                      \
+      float total = 0.0f;                                                                                    \
+      for (int64_t j = lo; j <= p; j++) total += scores[j - lo] = expf(scores[j - lo] - top);               \
+      att_vec acc[16] = {{0}}; /* D <= 256 */                                                                \
+      for (int64_t j = lo; j <= p; j++) {                                                                    \
+        float e = scores[j - lo];                                                                            \
+        for (int64_t d = 0; d < t->D; d += ATT_LANES) {                                                      \
+          att_vec v;                                                                                         \
+          memcpy(&v, values + j * t->D + d, sizeof v);                                                       \
+          acc[d / ATT_LANES] += e * v;                                                                       \
+        }                                                                                                    \
+      }                                                                                                      \
+      float *out = t->out + (i * t->H + h) * t->D;                                                           \
+      for (int64_t d = 0; d < t->D; d += ATT_LANES) {                                                        \
+        att_vec r = acc[d / ATT_LANES] / total;                                                              \
+        memcpy(out + d, &r, sizeof r);                                                                       \
+      }                                                                                                      \
+    }                                                                                                        \
+  }
+
+typedef void (*HeadFn)(const Attention *, int64_t, float *);
+ATT_VARIANT(att_generic, )
+#if defined(__x86_64__) && defined(__GNUC__)
+ATT_VARIANT(att_avx512, __attribute__((target("avx512f,fma"))))
+#endif
+
+static HeadFn choose_attention(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  const char *isa = getenv("RLXRT_STREAM_MATMUL_ISA");
+  __builtin_cpu_init();
+  if (!(isa && strcmp(isa, "avx512")) && __builtin_cpu_supports("avx512f")) return att_avx512_head;
+#endif
+  return att_generic_head;
+}
+
+/* x (D floats) rotated for position p into y (may be x) */
+static void rotate(const float *x, const float *cos_cache, const float *sin_cache, int64_t p, int64_t D, float *y) {
+  int64_t half = D / 2;
+  const float *c = cos_cache + p * half, *s = sin_cache + p * half;
+  for (int64_t d = 0; d < half; d++) {
+    float a = x[d], b = x[d + half];
+    y[d] = a * c[d] - b * s[d];
+    y[d + half] = b * c[d] + a * s[d];
+  }
+}
+
+/* ---- the op (included by stream_matmul.c after its ABI declarations) --------------------------------- */
+
+typedef struct { Api api; int64_t heads, kv_heads, window; float scale; } AttKernel;
+typedef Status *(*AttrFloatFn)(const void *, const char *, float *);
+
+static HeadFn attention_head;
+
+/* per-thread buffers, grown once: the decode loop allocates nothing */
+typedef struct { float *data; size_t len; } Scratch;
+static _Thread_local Scratch scores_scratch, queries_scratch;
+
+static float *scratch(Scratch *buf, size_t floats) {
+  if (floats > buf->len) {
+    float *grown = realloc(buf->data, floats * sizeof(float));
+    if (!grown) return NULL;
+    buf->data = grown, buf->len = floats;
+  }
+  return buf->data;
+}
+
+typedef struct { const Attention *t; int failed; } AttentionJob;
+
+static void attention_task(void *data, size_t h) {
+  AttentionJob *job = data;
+  float *scores = scratch(&scores_scratch, (size_t)job->t->cap);
+  if (scores) attention_head(job->t, (int64_t)h, scores);
+  else __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
+}
+
+static Status *attention_compute(void *kernel_data, void *context) {
+  const AttKernel *kernel = kernel_data;
+  Api api = kernel->api;
+  const void *in[9] = {NULL};
+  int64_t dims[9][8];
+  size_t rank[9] = {0};
+  int type[9] = {0};
+  Status *s = NULL;
+  for (size_t i = 0; i < 9 && !s; i++) {
+    s = CALL(api, KERNEL_CONTEXT_GET_INPUT, GetInputFn)(context, i, &in[i]);
+    if (!s && in[i]) s = shape_of(api, in[i], &type[i], dims[i], &rank[i]);
+  }
+  if (s) return s;
+  int packed = !in[1] && !in[2];
+  int64_t H = kernel->heads, KV = kernel->kv_heads, S = rank[0] == 3 ? dims[0][1] : -1;
+  int64_t D = rank[3] == 4 ? dims[3][3] : -1, cap = rank[3] == 4 ? dims[3][2] : -1;
+  int64_t width = packed ? (H + 2 * KV) * D : H * D;
+  int ok = rank[0] == 3 && dims[0][0] == 1 && dims[0][2] == width && type[0] == FLOAT && (packed || (in[1] && in[2]));
+  for (int i = 1; i <= 2 && ok && !packed; i++)
+    ok = rank[i] == 3 && dims[i][0] == 1 && dims[i][1] == S && dims[i][2] == KV * D && type[i] == FLOAT;
+  for (int i = 3; i <= 4 && ok; i++)
+    ok = rank[i] == 4 && dims[i][0] == 1 && dims[i][1] == KV && dims[i][2] == cap && dims[i][3] == D && type[i] == FLOAT;
+  ok = ok && D % ATT_LANES == 0 && D <= 256 && H % KV == 0 && type[5] == INT32 && type[7] == FLOAT &&
+       rank[7] == 2 && dims[7][1] == D / 2 && type[8] == FLOAT && rank[8] == 2 && dims[8][0] == dims[7][0];
+  if (!ok) return fail(api, ORT_INVALID_ARGUMENT, "StreamAttention: the inputs are not GroupQueryAttention's as "
+                                                  "rlxrt's fused graph feeds them");
+  void *data[9] = {NULL};
+  for (size_t i = 0; i < 9 && !s; i++)
+    if (in[i]) s = CALL(api, GET_TENSOR_MUTABLE_DATA, DataFn)(in[i], &data[i]);
+  if (s) return s;
+  int64_t last = *(const int32_t *)data[5], first = last + 1 - S;
+  if (first < 0 || last >= cap || last >= dims[7][0])
+    return fail(api, ORT_INVALID_ARGUMENT, "StreamAttention: seqlens_k puts the new tokens outside the KV buffer");
+  int64_t out_dims[3] = {1, S, H * D};
+  void *out_value = NULL, *present[2] = {NULL, NULL}, *out = NULL, *pk = NULL, *pv = NULL;
+  s = CALL(api, KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(context, 0, out_dims, 3, &out_value);
+  if (!s) s = CALL(api, KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(context, 1, dims[3], 4, &present[0]);
+  if (!s) s = CALL(api, KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(context, 2, dims[4], 4, &present[1]);
+  if (!s) s = CALL(api, GET_TENSOR_MUTABLE_DATA, DataFn)(out_value, &out);
+  if (!s) s = CALL(api, GET_TENSOR_MUTABLE_DATA, DataFn)(present[0], &pk);
+  if (!s) s = CALL(api, GET_TENSOR_MUTABLE_DATA, DataFn)(present[1], &pv);
+  if (s) return s;
+  size_t buffer = (size_t)(KV * cap * D) * sizeof(float);
+  if (pk != data[3]) memcpy(pk, data[3], buffer); /* not bound as one buffer: present starts as past */
+  if (pv != data[4]) memcpy(pv, data[4], buffer);
+  const float *x = data[0], *cos_cache = data[7], *sin_cache = data[8];
+  float *queries = scratch(&queries_scratch, (size_t)(S * H * D));
+  if (!queries) return fail(api, ORT_FAIL, "StreamAttention: out of memory");
+  for (int64_t i = 0; i < S; i++) {
+    const float *row = x + i * width;
+    const float *k = packed ? row + H * D : (const float *)data[1] + i * KV * D;
+    const float *v = packed ? row + (H + KV) * D : (const float *)data[2] + i * KV * D;
+    for (int64_t g = 0; g < KV; g++) {
+      rotate(k + g * D, cos_cache, sin_cache, first + i, D, (float *)pk + (g * cap + first + i) * D);
+      memcpy((float *)pv + (g * cap + first + i) * D, v + g * D, (size_t)D * sizeof(float));
+    }
+    for (int64_t h = 0; h < H; h++) rotate(row + h * D, cos_cache, sin_cache, first + i, D, queries + (i * H + h) * D);
+  }
+  Attention task = {queries, pk, pv, out, S, H, KV, D, cap, first, kernel->window, kernel->scale};
+  AttentionJob job = {&task, 0};
+  s = CALL(api, KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(context, attention_task, (size_t)H, 0, &job);
+  if (!s && job.failed) s = fail(api, ORT_FAIL, "StreamAttention: out of memory");
+  return s;
+}
+
+static Status *attention_create(const CustomOp *op, const void *api, const void *info, void **out) {
+  (void)op;
+  AttKernel *kernel = malloc(sizeof *kernel);
+  if (!kernel) return fail(api, ORT_FAIL, "StreamAttention: out of memory");
+  kernel->api = api;
+  Status *s = CALL((Api)api, KERNEL_INFO_GET_ATTRIBUTE_INT64, AttrIntFn)(info, "num_heads", &kernel->heads);
+  if (!s) s = CALL((Api)api, KERNEL_INFO_GET_ATTRIBUTE_INT64, AttrIntFn)(info, "kv_num_heads", &kernel->kv_heads);
+  if (!s) s = CALL((Api)api, KERNEL_INFO_GET_ATTRIBUTE_INT64, AttrIntFn)(info, "local_window_size", &kernel->window);
+  if (!s) s = CALL((Api)api, KERNEL_INFO_GET_ATTRIBUTE_FLOAT, AttrFloatFn)(info, "scale", &kernel->scale);
+  if (!s && (kernel->heads < 1 || kernel->kv_heads < 1))
+    s = fail(api, ORT_INVALID_ARGUMENT, "StreamAttention: num_heads and kv_num_heads must be >= 1");
+  if (s) { free(kernel); return s; }
+  *out = kernel;
+  return NULL;
+}
+
+static const char *attention_name(const CustomOp *op) { (void)op; return "StreamAttention"; }
+static int attention_input_type(const CustomOp *op, size_t i) { (void)op; return i == 5 || i == 6 ? INT32 : FLOAT; }
+static size_t nine(const CustomOp *op) { (void)op; return 9; }
+static size_t three_out(const CustomOp *op) { (void)op; return 3; }
+static int optional_kv(const CustomOp *op, size_t i) { (void)op; return i == 1 || i == 2 ? 1 : 0; }
