@@ -72,9 +72,9 @@ class Config:
     huge_pages: bool = True
     """Move a CPU session's weights onto transparent huge pages after loading (Linux 6.1+, in the background)."""
     cpu_matmul: str = "auto"
-    """Which kernel multiplies by a float32 weight on CPU: ``rlxrt`` (rlxrt's own, which reads each weight once
-    per call for all rows and computes a row the same alone or in a verification), ``ort`` (ONNX Runtime's), or
-    ``auto`` (rlxrt's where the weights do not fit the last-level cache, ONNX Runtime's elsewhere)."""
+    """Whose kernels run MatMuls (float32, int4, int8 activations) and attention on CPU: ``rlxrt`` (rlxrt's own,
+    which read each weight once per call for all rows and compute a row the same alone or in a verification),
+    ``ort`` (ONNX Runtime's), or ``auto`` (rlxrt's where the variant that runs was measured faster)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
