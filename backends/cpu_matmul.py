@@ -1,17 +1,21 @@
-"""rlxrt's own fp32 MatMul for CPU sessions: each weight packed once, streamed once per call for all rows.
+"""rlxrt's own CPU kernels for MatMuls and attention: each weight packed once and streamed once per call for
+all rows, and every row computed the same whatever the other rows of the call.
 
 A decoder step on CPU is bound by reading its weights. ONNX Runtime's MatMul (MLAS) reads them more slowly
 the more rows it multiplies them with: a (k+1)-row verification costs up to 1.5x a one-row step where the
-weights come from memory. ``StreamMatMul`` (``stream_matmul.c``, built at install) keeps each weight as
-column panels of 32, [ceil(N/32), K, 32], which it reads front to back once per call whatever the number of
-rows, and computes every row the same way whatever the others are: a row's output is bitwise the same
-alone or in a verification, so a speculative step and a plain step agree to the bit.
+weights come from memory; and its MatMuls and GroupQueryAttention take other paths for several rows, so a
+verification's rows differ from one-row steps by ~1e-6 (by up to 0.5 with int8 activations). The library
+(``stream_matmul.c`` with ``stream_kernels.h``, ``stream_int8.h``, ``stream_attention.h``; built at install)
+holds ``StreamMatMul`` (float32 panels [ceil(N/32), K, 32]), ``StreamMatMulQ4`` (int4 blocks, float32
+arithmetic), ``StreamMatMulQx8`` (4- or 8-bit blocks with int8 activations) and ``StreamAttention``.
 
-``compile()`` rewrites the graph before ONNX Runtime optimises it: every MatMul of the main graph whose
-second input is a float32 matrix initializer becomes ``StreamMatMul`` over that weight packed (the original
-is dropped when nothing else reads it). The choice is ``Config.cpu_matmul``: ``auto`` rewrites where the
-kernel runs a variant measured faster than ONNX Runtime's (``WINS_ON``), ``rlxrt`` always, ``ort`` never. The
-state is recorded as a sentence, as huge pages are: ``on: N MatMuls, …`` or ``off: why``.
+``compile()`` rewrites the graph before ONNX Runtime optimises it: every MatMul and bias-free Gemm over a
+float32 matrix initializer, every MatMulNBits it can take and every GroupQueryAttention of rlxrt's fused form
+becomes rlxrt's op over the weights packed (the originals dropped when nothing else reads them). The choice is
+``Config.cpu_matmul``: ``auto`` rewrites where the variant that runs was measured faster than ONNX Runtime's
+(``WINS_ON``, ``INT8_WINS_ON``), ``rlxrt`` always, ``ort`` never. The state is recorded as a sentence, as huge
+pages are (``on: N MatMuls, …`` or ``off: why``), and ``Plan.rows_exact`` says whether every row of a call is
+computed alike.
 """
 from __future__ import annotations
 
