@@ -22,7 +22,39 @@ typedef struct {
   float scale;
 } Attention;
 
-#define ATT_VARIANT(NAME, TARGET)                                                                            \
+/* exp(x) for x <= 0 (x - max of the scores), 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor
+ * polynomial to r^7 (relative error < 2e-7), times 2^n through the exponent bits; below -87 it is 0 */
+typedef int32_t att_ivec __attribute__((vector_size(ATT_LANES * 4)));
+
+#define ATT_EXP(NAME, TARGET)                                                                                \
+  TARGET AI att_vec NAME##_exp(att_vec x) {                                                                  \
+    att_ivec keep = x >= -87.0f, bits, xb, floor_b;                                                          \
+    att_vec floor = (att_vec){0} - 87.0f, lo, n, r, p, out;                                                  \
+    memcpy(&xb, &x, sizeof x);                                                                               \
+    memcpy(&floor_b, &floor, sizeof floor);                                                                  \
+    xb = (xb & keep) | (floor_b & ~keep);                                                                    \
+    memcpy(&lo, &xb, sizeof lo);                                                                             \
+    n = (lo * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* nearest integer: 1.5 * 2^23 */          \
+    r = lo - n * 0.693145751953125f - n * 1.428606765330187e-06f;                                            \
+    p = (att_vec){0} + 1.0f / 5040.0f;                                                                       \
+    p = p * r + 1.0f / 720.0f;                                                                               \
+    p = p * r + 1.0f / 120.0f;                                                                               \
+    p = p * r + 1.0f / 24.0f;                                                                                \
+    p = p * r + 1.0f / 6.0f;                                                                                 \
+    p = p * r + 0.5f;                                                                                        \
+    p = p * r + 1.0f;                                                                                        \
+    p = p * r + 1.0f;                                                                                        \
+    bits = (__builtin_convertvector(n, att_ivec) + 127) << 23;                                               \
+    memcpy(&out, &bits, sizeof out);                                                                         \
+    out = p * out;                                                                                           \
+    memcpy(&bits, &out, sizeof out);                                                                         \
+    bits &= keep; /* below -87: 0 */                                                                         \
+    memcpy(&out, &bits, sizeof out);                                                                         \
+    return out;                                                                                              \
+  }
+
+#define ATT_VARIANT(NAME, TARGET, REDUCE)                                                                    \
+  ATT_EXP(NAME, TARGET)                                                                                      \
   TARGET AI float NAME##_dot(const float *a, const float *b, int64_t D) {                                   \
     att_vec acc = {0};                                                                                       \
     for (int64_t d = 0; d < D; d += ATT_LANES) {                                                             \
@@ -31,9 +63,7 @@ typedef struct {
       memcpy(&y, b + d, sizeof y);                                                                           \
       acc += x * y;                                                                                          \
     }                                                                                                        \
-    for (int width = ATT_LANES / 2; width > 0; width /= 2) /* lanes summed pairwise, a fixed tree */         \
-      for (int l = 0; l < width; l++) acc[l] += acc[l + width];                                              \
-    return acc[0];                                                                                           \
+    return REDUCE(acc);                                                                                      \
   }                                                                                                          \
   /* head h for every row: scores, softmax and the weighted values, in key order */                          \
   TARGET static void NAME##_head(const Attention *t, int64_t h, float *scores) {                             \
@@ -41,20 +71,30 @@ typedef struct {
     const float *values = t->values + (h / (t->H / t->KV)) * t->cap * t->D;                                 \
     for (int64_t i = 0; i < t->S; i++) {                                                                     \
       int64_t p = t->first + i, lo = t->window > 0 && p - t->window + 1 > 0 ? p - t->window + 1 : 0;         \
+      int64_t n = p - lo + 1, padded = (n + ATT_LANES - 1) / ATT_LANES * ATT_LANES;                          \
       const float *q = t->q + (i * t->H + h) * t->D;                                                         \
       float top = -INFINITY;                                                                                 \
-      for (int64_t j = lo; j <= p; j++) {                                                                    \
-        scores[j - lo] = t->scale * NAME##_dot(q, keys + j * t->D, t->D);                                    \
-        top = scores[j - lo] > top ? scores[j - lo] : top;                                                   \
+      for (int64_t j = 0; j < n; j++) {                                                                      \
+        scores[j] = t->scale * NAME##_dot(q, keys + (lo + j) * t->D, t->D);                                  \
+        top = scores[j] > top ? scores[j] : top;                                                             \
       }                                                                                                      \
-      float total = 0.0f;                                                                                    \
-      for (int64_t j = lo; j <= p; j++) total += scores[j - lo] = expf(scores[j - lo] - top);               \
+      for (int64_t j = n; j < padded; j++) scores[j] = -INFINITY; /* exp gives 0 */                          \
+      att_vec sum = {0};                                                                                     \
+      for (int64_t j = 0; j < padded; j += ATT_LANES) {                                                      \
+        att_vec x;                                                                                           \
+        memcpy(&x, scores + j, sizeof x);                                                                    \
+        x = NAME##_exp(x - top);                                                                             \
+        memcpy(scores + j, &x, sizeof x);                                                                    \
+        sum += x;                                                                                            \
+      }                                                                                                      \
+      float total = REDUCE(sum);                                                                             \
       att_vec acc[16] = {{0}}; /* D <= 256 */                                                                \
-      for (int64_t j = lo; j <= p; j++) {                                                                    \
-        float e = scores[j - lo];                                                                            \
+      for (int64_t j = 0; j < n; j++) {                                                                      \
+        float e = scores[j];                                                                                 \
+        const float *v_row = values + (lo + j) * t->D;                                                       \
         for (int64_t d = 0; d < t->D; d += ATT_LANES) {                                                      \
           att_vec v;                                                                                         \
-          memcpy(&v, values + j * t->D + d, sizeof v);                                                       \
+          memcpy(&v, v_row + d, sizeof v);                                                                   \
           acc[d / ATT_LANES] += e * v;                                                                       \
         }                                                                                                    \
       }                                                                                                      \
@@ -66,10 +106,19 @@ typedef struct {
     }                                                                                                        \
   }
 
+/* a vector's lanes summed pairwise, a fixed tree */
+static inline float tree_sum(att_vec v) {
+  for (int width = ATT_LANES / 2; width > 0; width /= 2)
+    for (int l = 0; l < width; l++) v[l] += v[l + width];
+  return v[0];
+}
+
 typedef void (*HeadFn)(const Attention *, int64_t, float *);
-ATT_VARIANT(att_generic, )
+ATT_VARIANT(att_generic, , tree_sum)
 #if defined(__x86_64__) && defined(__GNUC__)
-ATT_VARIANT(att_avx512, __attribute__((target("avx512f,fma"))))
+#include <immintrin.h>
+#define AVX512_SUM(v) _mm512_reduce_add_ps((__m512)(v))
+ATT_VARIANT(att_avx512, __attribute__((target("avx512f,fma"))), AVX512_SUM)
 #endif
 
 static HeadFn choose_attention(void) {
@@ -116,7 +165,7 @@ typedef struct { const Attention *t; int failed; } AttentionJob;
 
 static void attention_task(void *data, size_t h) {
   AttentionJob *job = data;
-  float *scores = scratch(&scores_scratch, (size_t)job->t->cap);
+  float *scores = scratch(&scores_scratch, (size_t)job->t->cap + ATT_LANES); /* padded to whole vectors */
   if (scores) attention_head(job->t, (int64_t)h, scores);
   else __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
 }
