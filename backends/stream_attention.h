@@ -53,55 +53,58 @@ typedef int32_t att_ivec __attribute__((vector_size(ATT_LANES * 4)));
     return out;                                                                                              \
   }
 
-#define ATT_VARIANT(NAME, TARGET, REDUCE)                                                                    \
+/* Rows are (token i, head h) pairs of one kv group, taken 4 at a time: their raw scores over each row's own key
+ * range go to scores[r] (SCORES: one dot product per row and key), then each row's softmax and weighted values. */
+#define ATT_ROWS 4
+
+#define ATT_VARIANT(NAME, TARGET, SCORES)                                                                    \
   ATT_EXP(NAME, TARGET)                                                                                      \
-  TARGET AI float NAME##_dot(const float *a, const float *b, int64_t D) {                                   \
-    att_vec acc = {0};                                                                                       \
-    for (int64_t d = 0; d < D; d += ATT_LANES) {                                                             \
-      att_vec x, y;                                                                                          \
-      memcpy(&x, a + d, sizeof x);                                                                           \
-      memcpy(&y, b + d, sizeof y);                                                                           \
-      acc += x * y;                                                                                          \
-    }                                                                                                        \
-    return REDUCE(acc);                                                                                      \
-  }                                                                                                          \
-  /* head h for every row: scores, softmax and the weighted values, in key order */                          \
-  TARGET static void NAME##_head(const Attention *t, int64_t h, float *scores) {                             \
-    const float *keys = t->keys + (h / (t->H / t->KV)) * t->cap * t->D;                                     \
-    const float *values = t->values + (h / (t->H / t->KV)) * t->cap * t->D;                                 \
-    for (int64_t i = 0; i < t->S; i++) {                                                                     \
-      int64_t p = t->first + i, lo = t->window > 0 && p - t->window + 1 > 0 ? p - t->window + 1 : 0;         \
-      int64_t n = p - lo + 1, padded = (n + ATT_LANES - 1) / ATT_LANES * ATT_LANES;                          \
-      const float *q = t->q + (i * t->H + h) * t->D;                                                         \
-      float top = -INFINITY;                                                                                 \
-      for (int64_t j = 0; j < n; j++) {                                                                      \
-        scores[j] = t->scale * NAME##_dot(q, keys + (lo + j) * t->D, t->D);                                  \
-        top = scores[j] > top ? scores[j] : top;                                                             \
+  TARGET static void NAME##_group(const Attention *t, int64_t g, float *scratch_rows) {                      \
+    int64_t G = t->H / t->KV, R = t->S * G, stride = t->cap + ATT_LANES;                                     \
+    const float *keys = t->keys + g * t->cap * t->D, *values = t->values + g * t->cap * t->D;                \
+    for (int64_t r0 = 0; r0 < R; r0 += ATT_ROWS) {                                                           \
+      int rows = (int)(R - r0 < ATT_ROWS ? R - r0 : ATT_ROWS);                                               \
+      const float *q[ATT_ROWS] = {0};                                                                        \
+      int64_t lo[ATT_ROWS] = {0}, hi[ATT_ROWS] = {0};                                                        \
+      float *scores[ATT_ROWS];                                                                               \
+      for (int s = 0; s < rows; s++) {                                                                       \
+        int64_t i = (r0 + s) / G, h = g * G + (r0 + s) % G;                                                  \
+        hi[s] = t->first + i;                                                                                \
+        lo[s] = t->window > 0 && hi[s] - t->window + 1 > 0 ? hi[s] - t->window + 1 : 0;                      \
+        q[s] = t->q + (i * t->H + h) * t->D;                                                                 \
+        scores[s] = scratch_rows + s * stride;                                                               \
       }                                                                                                      \
-      for (int64_t j = n; j < padded; j++) scores[j] = -INFINITY; /* exp gives 0 */                          \
-      att_vec sum = {0};                                                                                     \
-      for (int64_t j = 0; j < padded; j += ATT_LANES) {                                                      \
-        att_vec x;                                                                                           \
-        memcpy(&x, scores + j, sizeof x);                                                                    \
-        x = NAME##_exp(x - top);                                                                             \
-        memcpy(scores + j, &x, sizeof x);                                                                    \
-        sum += x;                                                                                            \
-      }                                                                                                      \
-      float total = REDUCE(sum);                                                                             \
-      att_vec acc[16] = {{0}}; /* D <= 256 */                                                                \
-      for (int64_t j = 0; j < n; j++) {                                                                      \
-        float e = scores[j];                                                                                 \
-        const float *v_row = values + (lo + j) * t->D;                                                       \
-        for (int64_t d = 0; d < t->D; d += ATT_LANES) {                                                      \
-          att_vec v;                                                                                         \
-          memcpy(&v, v_row + d, sizeof v);                                                                   \
-          acc[d / ATT_LANES] += e * v;                                                                       \
+      SCORES(t, keys, rows, q, lo, hi, scores);                                                              \
+      for (int s = 0; s < rows; s++) {                                                                       \
+        int64_t i = (r0 + s) / G, h = g * G + (r0 + s) % G;                                                  \
+        int64_t n = hi[s] - lo[s] + 1, padded = (n + ATT_LANES - 1) / ATT_LANES * ATT_LANES;                 \
+        float *sc = scores[s], top = -INFINITY;                                                              \
+        for (int64_t j = 0; j < n; j++) top = sc[j] > top ? sc[j] : top;                                     \
+        for (int64_t j = n; j < padded; j++) sc[j] = -INFINITY; /* exp gives 0 */                            \
+        att_vec sum = {0};                                                                                   \
+        for (int64_t j = 0; j < padded; j += ATT_LANES) {                                                    \
+          att_vec x;                                                                                         \
+          memcpy(&x, sc + j, sizeof x);                                                                      \
+          x = NAME##_exp(x - top);                                                                           \
+          memcpy(sc + j, &x, sizeof x);                                                                      \
+          sum += x;                                                                                          \
         }                                                                                                    \
-      }                                                                                                      \
-      float *out = t->out + (i * t->H + h) * t->D;                                                           \
-      for (int64_t d = 0; d < t->D; d += ATT_LANES) {                                                        \
-        att_vec r = acc[d / ATT_LANES] / total;                                                              \
-        memcpy(out + d, &r, sizeof r);                                                                       \
+        float total = tree_sum(sum);                                                                         \
+        att_vec acc[16] = {{0}}; /* D <= 256 */                                                              \
+        for (int64_t j = 0; j < n; j++) {                                                                    \
+          float e = sc[j];                                                                                   \
+          const float *v_row = values + (lo[s] + j) * t->D;                                                  \
+          for (int64_t d = 0; d < t->D; d += ATT_LANES) {                                                    \
+            att_vec v;                                                                                       \
+            memcpy(&v, v_row + d, sizeof v);                                                                 \
+            acc[d / ATT_LANES] += e * v;                                                                     \
+          }                                                                                                  \
+        }                                                                                                    \
+        float *out = t->out + (i * t->H + h) * t->D;                                                         \
+        for (int64_t d = 0; d < t->D; d += ATT_LANES) {                                                      \
+          att_vec r = acc[d / ATT_LANES] / total;                                                            \
+          memcpy(out + d, &r, sizeof r);                                                                     \
+        }                                                                                                    \
       }                                                                                                      \
     }                                                                                                        \
   }
@@ -113,21 +116,70 @@ static inline float tree_sum(att_vec v) {
   return v[0];
 }
 
+/* raw scores, one 16-lane dot product per row and key, its lanes summed by tree_sum */
+static void generic_scores(const Attention *t, const float *keys, int rows, const float **q, const int64_t *lo,
+                           const int64_t *hi, float **scores) {
+  for (int s = 0; s < rows; s++)
+    for (int64_t j = lo[s]; j <= hi[s]; j++) {
+      att_vec acc = {0};
+      for (int64_t d = 0; d < t->D; d += ATT_LANES) {
+        att_vec x, y;
+        memcpy(&x, q[s] + d, sizeof x);
+        memcpy(&y, keys + j * t->D + d, sizeof y);
+        acc += x * y;
+      }
+      scores[s][j - lo[s]] = t->scale * tree_sum(acc);
+    }
+}
+
 typedef void (*HeadFn)(const Attention *, int64_t, float *);
-ATT_VARIANT(att_generic, , tree_sum)
+ATT_VARIANT(att_generic, , generic_scores)
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
-#define AVX512_SUM(v) _mm512_reduce_add_ps((__m512)(v))
-ATT_VARIANT(att_avx512, __attribute__((target("avx512f,fma"))), AVX512_SUM)
+#define AVX512 __attribute__((target("avx512f,fma")))
+
+/* the same dot products for up to 4 rows at a time, each key loaded once: a row's 16 lanes are summed by the
+ * same adds whatever its slot and companions ((l + l+2) + (l+1 + l+3) within each 128-bit lane, then the four
+ * lanes pairwise), so its scores do not depend on the other rows */
+AVX512 static void avx512_scores(const Attention *t, const float *keys, int rows, const float **q, const int64_t *lo,
+                                 const int64_t *hi, float **scores) {
+  const float *qs[ATT_ROWS];
+  int64_t first = lo[0], last = hi[0];
+  for (int s = 0; s < ATT_ROWS; s++) qs[s] = q[s < rows ? s : 0];
+  for (int s = 1; s < rows; s++) {
+    first = lo[s] < first ? lo[s] : first;
+    last = hi[s] > last ? hi[s] : last;
+  }
+  for (int64_t j = first; j <= last; j++) {
+    __m512 a[ATT_ROWS];
+    for (int s = 0; s < ATT_ROWS; s++) a[s] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < t->D; d += ATT_LANES) {
+      __m512 k = _mm512_loadu_ps(keys + j * t->D + d);
+      for (int s = 0; s < ATT_ROWS; s++) a[s] = _mm512_fmadd_ps(_mm512_loadu_ps(qs[s] + d), k, a[s]);
+    }
+    __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+    __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+    __m512 quad = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
+    __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(quad),
+                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(quad), 1)));
+    __m128 sums = _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
+    float out[4];
+    _mm_storeu_ps(out, sums);
+    for (int s = 0; s < rows; s++)
+      if (j >= lo[s] && j <= hi[s]) scores[s][j - lo[s]] = t->scale * out[s];
+  }
+}
+
+ATT_VARIANT(att_avx512, AVX512, avx512_scores)
 #endif
 
 static HeadFn choose_attention(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
   const char *isa = getenv("RLXRT_STREAM_MATMUL_ISA");
   __builtin_cpu_init();
-  if (!(isa && strcmp(isa, "avx512")) && __builtin_cpu_supports("avx512f")) return att_avx512_head;
+  if (!(isa && strcmp(isa, "avx512")) && __builtin_cpu_supports("avx512f")) return att_avx512_group;
 #endif
-  return att_generic_head;
+  return att_generic_group;
 }
 
 /* x (D floats) rotated for position p into y (may be x) */
@@ -163,10 +215,10 @@ static float *scratch(Scratch *buf, size_t floats) {
 
 typedef struct { const Attention *t; int failed; } AttentionJob;
 
-static void attention_task(void *data, size_t h) {
+static void attention_task(void *data, size_t group) {
   AttentionJob *job = data;
-  float *scores = scratch(&scores_scratch, (size_t)job->t->cap + ATT_LANES); /* padded to whole vectors */
-  if (scores) attention_head(job->t, (int64_t)h, scores);
+  float *scores = scratch(&scores_scratch, ATT_ROWS * ((size_t)job->t->cap + ATT_LANES)); /* whole vectors */
+  if (scores) attention_head(job->t, (int64_t)group, scores);
   else __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
 }
 
@@ -230,7 +282,7 @@ static Status *attention_compute(void *kernel_data, void *context) {
   }
   Attention task = {queries, pk, pv, out, S, H, KV, D, cap, first, kernel->window, kernel->scale};
   AttentionJob job = {&task, 0};
-  s = CALL(api, KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(context, attention_task, (size_t)H, 0, &job);
+  s = CALL(api, KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(context, attention_task, (size_t)KV, 0, &job);
   if (!s && job.failed) s = fail(api, ORT_FAIL, "StreamAttention: out of memory");
   return s;
 }
