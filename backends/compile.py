@@ -26,7 +26,7 @@ from rlxrt.errors import ModelFormatError, ProviderError
 from rlxrt.manifest import Manifest
 from rlxrt.providers import short_name
 
-from . import cpu_matmul
+from . import cpu_kernels
 from ._ort import ort_errors
 from .contract import check_contract
 from .hugepages import HugePages, collapse_new, resident_chunks
@@ -78,11 +78,11 @@ class CompiledGraph:
     """The exception classes this session's ``run`` raises on an ONNX Runtime failure."""
     huge_pages: HugePages = field(default_factory=lambda: HugePages("off: not requested"), repr=False)
     """The move of the weights onto huge pages (CPU sessions): ``.state``, ``.wait()``."""
-    cpu_matmul: str = "off: not requested"
-    """Whether rlxrt's MatMul kernel replaced ONNX Runtime's (``on: N MatMuls, …`` or ``off: why``)."""
+    cpu_kernels: str = "off: not requested"
+    """Whether rlxrt's CPU kernels replaced ONNX Runtime's (``on: N MatMuls, M attention, …`` or ``off: why``)."""
     rows_exact: bool = False
     """Every MatMul-like node and every attention runs rlxrt's kernels: a row's output is bitwise the same alone
-    or in a (k+1)-row verification (cpu_matmul.Plan.rows_exact)."""
+    or in a (k+1)-row verification (cpu_kernels.Plan.rows_exact)."""
 
     @property
     def input_names(self) -> list[str]:
@@ -96,7 +96,7 @@ class CompiledGraph:
         return {
             "path": str(self.path), "providers": self.providers, "requested": self.requested,
             "fallbacks": self.fallbacks, "cache": self.cache, "huge_pages": self.huge_pages.state,
-            "cpu_matmul": self.cpu_matmul, "rows_exact": self.rows_exact,
+            "cpu_kernels": self.cpu_kernels, "rows_exact": self.rows_exact,
             "cache_path": str(self.cache_path) if self.cache_path else None,
             "load_seconds": round(self.load_seconds, 4),
             "inputs": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in self.inputs],
@@ -148,7 +148,7 @@ def session_options(ort, config: Config, level: str | None = None):
             f"{ort.__version__}; use one of basic, extended, all"
         )
     opts.graph_optimization_level = getattr(ort.GraphOptimizationLevel, name)
-    cpu_matmul.register(opts)
+    cpu_kernels.register(opts)
     return opts
 
 
@@ -187,7 +187,7 @@ def compile(model: str | os.PathLike, config: Config | None = None, *,
     proto, ext_files = external_files(graph_path)
     res = registry.resolve(config)
     ort = registry.ort
-    matmul = cpu_matmul.plan(proto, config.cpu_matmul, res.names[0] if res.names else "cpu")
+    matmul = cpu_kernels.plan(proto, config.cpu_kernels, res.names[0] if res.names else "cpu")
     del proto
 
     cache_state, cache_path, session = "off", None, None
@@ -225,23 +225,23 @@ def compile(model: str | os.PathLike, config: Config | None = None, *,
         session=session, path=graph_path, manifest=manifest, providers=used,
         requested=list(config.providers), fallbacks=fallbacks, inputs=inputs, outputs=outputs,
         cache=cache_state, cache_path=cache_path, load_seconds=time.perf_counter() - start, config=config,
-        errors=ort_errors(ort), huge_pages=pages, cpu_matmul=matmul.state,
+        errors=ort_errors(ort), huge_pages=pages, cpu_kernels=matmul.state,
         rows_exact=bool(matmul.nodes) and matmul.rows_exact,
     )
 
 
-def _fresh_session(ort, graph_path: Path, opts, res: Resolution, matmul: cpu_matmul.Plan, work: Path | None = None):
-    """A session of the graph, with rlxrt's MatMul put in first when planned: the rewritten graph is written to
+def _fresh_session(ort, graph_path: Path, opts, res: Resolution, matmul: cpu_kernels.Plan, work: Path | None = None):
+    """A session of the graph, with rlxrt's kernels put in first when planned: the rewritten graph is written to
     ``work`` (a temporary directory when None) and removed once ONNX Runtime has read it."""
     if not matmul.nodes:
         return _make_session(ort, graph_path, opts, res)
     own = work is None
     try:
         work = Path(tempfile.mkdtemp(prefix=".rlxrt-matmul-")) if own else work
-        source = cpu_matmul.rewritten(graph_path, matmul, work)
+        source = cpu_kernels.rewritten(graph_path, matmul, work)
     except OSError as exc:  # nowhere to write it: ONNX Runtime's MatMul, said so
         matmul.nodes, matmul.state = [], f"off: the rewritten graph could not be written ({exc})"
-        log.warning("rlxrt's MatMul is %s", matmul.state[5:])
+        log.warning("rlxrt's kernels are %s", matmul.state[5:])
         return _make_session(ort, graph_path, opts, res)
     try:
         return _make_session(ort, source, opts, res)
@@ -253,14 +253,14 @@ def _fresh_session(ort, graph_path: Path, opts, res: Resolution, matmul: cpu_mat
 
 
 def _cached_session(ort, graph_path: Path, ext_files: list[Path], config: Config, res: Resolution,
-                    matmul: cpu_matmul.Plan):
+                    matmul: cpu_kernels.Plan):
     """(session, cache state, entry): the cached optimised graph, or a fresh compile written into the cache.
     A cache that cannot be used (read-only, a file, a full disk) gives (None, "off: why", None): the caller
     compiles without it; a bad model still fails as a bad model."""
     root = Path(config.cache_dir)
     model_hash = content_hash([graph_path, *ext_files], memo_dir=root / "hashes")
     entry = root / "graphs" / _cache_key(model_hash, ort.__version__, res, config,
-                                         f"{cpu_matmul.KERNEL_VERSION}|{matmul.state}")
+                                         f"{cpu_kernels.KERNEL_VERSION}|{matmul.state}")
     session = _load_cached(ort, entry, config, res)
     if session is not None:
         return session, "hit", entry
@@ -307,7 +307,7 @@ def _entry_problem(entry: Path) -> str | None:
 
 
 def _compile_into_cache(ort, graph_path: Path, entry: Path, config: Config, res: Resolution,
-                        matmul: cpu_matmul.Plan):
+                        matmul: cpu_kernels.Plan):
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
     try:

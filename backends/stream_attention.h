@@ -175,7 +175,7 @@ ATT_VARIANT(att_avx512, AVX512, avx512_scores)
 
 static HeadFn choose_attention(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  const char *isa = getenv("RLXRT_STREAM_MATMUL_ISA");
+  const char *isa = getenv("RLXRT_CPU_KERNELS_ISA");
   __builtin_cpu_init();
   if (!(isa && strcmp(isa, "avx512")) && __builtin_cpu_supports("avx512f")) return att_avx512_group;
 #endif

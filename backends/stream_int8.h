@@ -126,10 +126,10 @@ VNNI static void vnni_qpanel(Quantised x, const uint8_t *c, const float *s, int 
 typedef void (*QPanelFn)(Quantised, const uint8_t *, const float *, int, int64_t, int64_t, float *, int64_t, int64_t);
 typedef struct { QPanelFn panel; const char *name; } Int8Variant;
 
-/* VNNI where the CPU has it (and RLXRT_STREAM_MATMUL_ISA does not say generic), else generic C */
+/* VNNI where the CPU has it (and RLXRT_CPU_KERNELS_ISA does not say generic), else generic C */
 static Int8Variant choose_int8(void) {
   Int8Variant generic = {generic_qpanel, "generic"};
-  const char *isa = getenv("RLXRT_STREAM_MATMUL_ISA");
+  const char *isa = getenv("RLXRT_CPU_KERNELS_ISA");
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();
   if (!(isa && !strcmp(isa, "generic")) && __builtin_cpu_supports("avx512vnni") &&

@@ -123,10 +123,10 @@ VARIANT(avx512, 16, __attribute__((target("avx512f,avx512bw,fma"))))
 
 typedef struct { PanelsFn panels; const char *name; } Variant;
 
-/* the widest variant this CPU runs, or the one RLXRT_STREAM_MATMUL_ISA names (generic, avx2, avx512: the
+/* the widest variant this CPU runs, or the one RLXRT_CPU_KERNELS_ISA names (generic, avx2, avx512: the
  * tests run each variant this CPU can) */
 static Variant choose_variant(void) {
-  const char *isa = getenv("RLXRT_STREAM_MATMUL_ISA");
+  const char *isa = getenv("RLXRT_CPU_KERNELS_ISA");
   Variant generic = {generic_panels, "generic"};
   if (isa && !strcmp(isa, "generic")) return generic;
 #if defined(__x86_64__) && defined(__GNUC__)

@@ -1,6 +1,6 @@
 /* StreamMatMul and StreamMatMulQ4: y[M, N] = a[M, K] @ W[K, N] for ONNX Runtime on CPU, the weight (float32,
  * or int4 codes and their scales) read once per call for all rows, each row computed the same whatever the
- * others (stream_kernels.h; cpu_matmul.py says why and when rlxrt uses them). Panels of 32 columns are
+ * others (stream_kernels.h; cpu_kernels.py says why and when rlxrt uses them). Panels of 32 columns are
  * shared out over ONNX Runtime's intra-op threads.
  *
  * The ONNX Runtime C ABI is declared here, only as far as this file uses it: OrtApi is a table of function
@@ -158,7 +158,7 @@ static int layout_ok(const Kernel *kernel, const int64_t (*dims)[8], const size_
          dims[2][2] == PANEL && *P * PANEL >= N && (*P - 1) * PANEL < N;
 }
 
-/* y = a @ the weight: inputs checked against the op's layout (cpu_matmul.py writes them), the panels shared
+/* y = a @ the weight: inputs checked against the op's layout (cpu_kernels.py writes them), the panels shared
  * out over ONNX Runtime's intra-op threads; int8 activations are quantised first, each row on its own */
 static Status *compute(void *kernel_data, void *context) {
   const Kernel *kernel = kernel_data;

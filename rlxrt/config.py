@@ -71,7 +71,7 @@ class Config:
     """Per-provider ORT options, e.g. {"cuda": {"device_id": "1"}}; values are passed to ORT as strings."""
     huge_pages: bool = True
     """Move a CPU session's weights onto transparent huge pages after loading (Linux 6.1+, in the background)."""
-    cpu_matmul: str = "auto"
+    cpu_kernels: str = "auto"
     """Whose kernels run MatMuls (float32, int4, int8 activations) and attention on CPU: ``rlxrt`` (rlxrt's own,
     which read each weight once per call for all rows and compute a row the same alone or in a verification),
     ``ort`` (ONNX Runtime's), or ``auto`` (rlxrt's where the variant that runs was measured faster)."""
@@ -209,10 +209,10 @@ def _coerce(key: str, value: Any, source: str) -> Any:
                 f"{', '.join(OPTIMIZATION_LEVELS)}, got {value!r}"
             )
         return norm
-    if key == "cpu_matmul":
+    if key == "cpu_kernels":
         norm = str(value).strip().lower()
         if norm not in CPU_MATMUL:
-            raise ConfigError(f"config key 'cpu_matmul' (from {source}) must be one of {', '.join(CPU_MATMUL)}, "
+            raise ConfigError(f"config key 'cpu_kernels' (from {source}) must be one of {', '.join(CPU_MATMUL)}, "
                               f"got {value!r}")
         return norm
     if key == "cache_dir":
@@ -224,7 +224,7 @@ def _coerce(key: str, value: Any, source: str) -> Any:
     raise ConfigError(f"unknown config key {key!r} (from {source}); allowed keys: {', '.join(FIELD_NAMES)}")
 
 
-NOT_CONFIG_ENV = ("CONFIG", "SMOLLM2_DIR", "STREAM_MATMUL_ISA")
+NOT_CONFIG_ENV = ("CONFIG", "SMOLLM2_DIR", "CPU_KERNELS_ISA")
 """RLXRT_ variables that are not config fields: the config file's path, where the SmolLM2 recipe builds, and
 the vector width rlxrt's MatMul kernel uses (generic, avx2, avx512; default the widest the CPU runs)."""
 

@@ -142,9 +142,9 @@ class Session:
             raise GenerationError(
                 f"{graph.path.parent} is an int4 graph computed with int8 activations "
                 f"(accuracy level {self.manifest.quantization.get('accuracy_level')}) on ONNX Runtime's kernels "
-                f"(rlxrt's: {graph.cpu_matmul}): there its (k+1)-row verification differs from one-row steps, so "
+                f"(rlxrt's: {graph.cpu_kernels}): there its (k+1)-row verification differs from one-row steps, so "
                 "speculative output would not equal plain output; decode it without a speculator, compile it with "
-                "cpu_matmul = rlxrt (whose kernels compute a row the same in both), or export the target with "
+                "cpu_kernels = rlxrt (whose kernels compute a row the same in both), or export the target with "
                 "--int4-compute fp32 to speculate")
         self.codec = codec_for(graph)
         self._graph = graph

@@ -187,7 +187,7 @@ def test_int4_with_int8_compute_decodes_plainly_and_drafts_but_is_never_verified
     """--int4-compute int8 (accuracy level 4): recorded as not for speculation; plain decoding works, a
     Session over ONNX Runtime's kernels refuses any speculator over it with a typed error (and the process goes
     on), and as a DRAFT for an fp32 target it keeps speculation exact (a draft's numbers do not touch
-    exactness). Over rlxrt's kernels it speculates exactly: tests/test_cpu_matmul.py."""
+    exactness). Over rlxrt's kernels it speculates exactly: tests/test_cpu_kernels.py."""
     src = exported.source("llama", seed=4, init=0.02)
     fast = tmp_path / "q4i8"
     m = rlxrt.export(src, fast, quantize="int4", int4_compute="int8").manifest
@@ -205,9 +205,9 @@ def test_int4_with_int8_compute_decodes_plainly_and_drafts_but_is_never_verified
     assert main(["distill", str(fast), "--prompts", str(prompts), "--out", str(corpus), "--max-new-tokens", "8",
                  "--temperatures", "0", "--threads", "1", "--quiet"]) == 0
     assert json.loads(corpus.read_text()) == [PROMPT + Session(fast, None, CFG).generate(PROMPT, max_new_tokens=8).text]
-    on_ort = Config(intra_op_threads=1, cache=False, cpu_matmul="ort")  # rlxrt's kernels: test_cpu_matmul.py
+    on_ort = Config(intra_op_threads=1, cache=False, cpu_kernels="ort")  # rlxrt's kernels: test_cpu_kernels.py
     for spec in (PromptLookup(), DraftModel(fast, on_ort)):
-        with pytest.raises(GenerationError, match="int8 activations.*cpu_matmul = rlxrt.*--int4-compute fp32"):
+        with pytest.raises(GenerationError, match="int8 activations.*cpu_kernels = rlxrt.*--int4-compute fp32"):
             Session(fast, spec, on_ort)
     target = exported("llama", seed=4, init=0.02)
     plain = Session(target, None, CFG).generate(PROMPT, max_new_tokens=30, ignore_eos=True).token_ids

@@ -97,9 +97,9 @@ def test_the_weights_move_onto_huge_pages_and_decoding_is_unchanged():
     prompt = reference_prompts()[0]
     # ONNX Runtime's own MatMul packs the weights into anonymous memory, the memory this is about (rlxrt's
     # kernel reads them where the graph file is mapped)
-    plain = Session(compile(target, Config(intra_op_threads=1, cache=False, huge_pages=False, cpu_matmul="ort")))
+    plain = Session(compile(target, Config(intra_op_threads=1, cache=False, huge_pages=False, cpu_kernels="ort")))
     expected = plain.generate(prompt, max_new_tokens=24, ignore_eos=True).token_ids
-    graph = compile(target, Config(intra_op_threads=1, cache=False, cpu_matmul="ort"))
+    graph = compile(target, Config(intra_op_threads=1, cache=False, cpu_kernels="ort"))
     # decoding while the collapse may still be under way, then after it
     during = Session(graph).generate(prompt, max_new_tokens=24, ignore_eos=True).token_ids
     state = graph.huge_pages.wait(60)

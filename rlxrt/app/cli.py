@@ -74,7 +74,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     else:
         print(f"{graph.path}: providers {', '.join(graph.providers)}; cache {graph.cache}; "
               f"loaded in {graph.load_seconds:.3f} s; huge pages {graph.huge_pages.state}; "
-              f"rlxrt's MatMul {graph.cpu_matmul}")
+              f"rlxrt's kernels {graph.cpu_kernels}")
         for f in graph.fallbacks:
             print(f"  fallback: {f}")
     return 0

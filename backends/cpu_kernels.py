@@ -12,7 +12,7 @@ arithmetic), ``StreamMatMulQx8`` (4- or 8-bit blocks with int8 activations) and 
 ``compile()`` rewrites the graph before ONNX Runtime optimises it: every MatMul and bias-free Gemm over a
 float32 matrix initializer, every MatMulNBits it can take and every GroupQueryAttention of rlxrt's fused form
 becomes rlxrt's op over the weights packed (the originals dropped when nothing else reads them). The choice is
-``Config.cpu_matmul``: ``auto`` rewrites where the variant that runs was measured faster than ONNX Runtime's
+``Config.cpu_kernels``: ``auto`` rewrites where the variant that runs was measured faster than ONNX Runtime's
 (``WINS_ON``, ``INT8_WINS_ON``), ``rlxrt`` always, ``ort`` never. The state is recorded as a sentence, as huge
 pages are (``on: N MatMuls, …`` or ``off: why``), and ``Plan.rows_exact`` says whether every row of a call is
 computed alike.
@@ -80,7 +80,7 @@ def int8_isa() -> str | None:
 
 WINS_ON = ("avx512",)
 """Where ``auto`` uses the kernel: the variants measured faster than ONNX Runtime's MatMul on whole decoder
-steps (README, "rlxrt's MatMul kernel"). The avx2 and generic variants are exact and tested, but were only
+steps (README, "rlxrt's CPU kernels"). The avx2 and generic variants are exact and tested, but were only
 measured on a CPU where ONNX Runtime itself runs AVX-512 (0.85x and 0.64x of it), so ``auto`` leaves them off."""
 INT8_WINS_ON = ("avx512vnni",)
 """The same for the int8-activation kernel (MatMulNBits at accuracy level 4)."""
@@ -244,7 +244,7 @@ def plan(model, mode: str, provider: str) -> Plan:
     """Which MatMuls, Gemms and MatMulNBits ``mode`` (auto, rlxrt, ort) rewrites in ``model`` (an onnx
     ModelProto, weights loaded or not) for a session whose first provider is ``provider``."""
     if mode == "ort":
-        return Plan([], 0, "off: cpu_matmul = ort in config")
+        return Plan([], 0, "off: cpu_kernels = ort in config")
     if provider != "cpu":
         return Plan([], 0, f"off: the session runs on {provider}")
     inits = _initializers(model)
@@ -257,7 +257,7 @@ def plan(model, mode: str, provider: str) -> Plan:
         why = ("off: the kernel library was not built at install (no C compiler?); reinstall rlxrt with gcc or "
                "clang present")
         if mode == "rlxrt":
-            raise ProviderError(f"cpu_matmul = rlxrt, but {why[5:]}, or set cpu_matmul = auto")
+            raise ProviderError(f"cpu_kernels = rlxrt, but {why[5:]}, or set cpu_kernels = auto")
         return Plan([], 0, why)
     if mode == "auto":  # only where the variant that would run was measured to win
         wins = {False: isa() in WINS_ON, True: int8_isa() in INT8_WINS_ON}
@@ -267,7 +267,7 @@ def plan(model, mode: str, provider: str) -> Plan:
     size = sum(int(np.prod(inits[name].dims)) * (1 if inits[name].data_type == 2 else 4) for name in read)
     if not found and not attention:
         return Plan([], size, f"off: the kernel runs {isa()} here, where ONNX Runtime's MatMul was not measured "
-                              "slower (cpu_matmul = rlxrt forces it)")
+                              "slower (cpu_kernels = rlxrt forces it)")
     kinds = [w.kind for w in found.values()]
     q4, x8 = kinds.count("int4"), kinds.count("int4x8") + kinds.count("int8x8")
     parts = [f"{q4} int4"] * bool(q4) + [f"{x8} with int8 activations"] * bool(x8)

@@ -1,10 +1,10 @@
 """rlxrt's CPU MatMul against ONNX Runtime's on the same graphs, side by side in one process.
 
-    python scripts/matmul_ab.py TARGET [--draft DIR | --head DIR] [--k 4] [--chat] [--prompts 4]
+    python scripts/kernels_ab.py TARGET [--draft DIR | --head DIR] [--k 4] [--chat] [--prompts 4]
                                 [--tokens 64] [--repeats 3] [--threads 1] [--out FILE]
 
-The target (and the draft or head, when given) is compiled twice, once with ``cpu_matmul = ort`` and once with
-``cpu_matmul = rlxrt``; each repeat decodes the same prompts plainly and speculatively on both, in an order
+The target (and the draft or head, when given) is compiled twice, once with ``cpu_kernels = ort`` and once with
+``cpu_kernels = rlxrt``; each repeat decodes the same prompts plainly and speculatively on both, in an order
 that alternates per repeat. Printed: tokens a second relative to plain decoding on ONNX Runtime's MatMul
 (medians over the repeats), whether every output equals plain greedy on the same kernel, whether the two
 kernels' plain outputs are the same (float32: yes; int8 activations round differently, so not always), and the
@@ -43,10 +43,10 @@ def main() -> None:
     rows: dict[str, Session] = {}
     states = {}
     for mode in MODES:
-        cfg = Config(intra_op_threads=a.threads, cpu_matmul=mode)
+        cfg = Config(intra_op_threads=a.threads, cpu_kernels=mode)
         target = compile(a.target, cfg)
         target.huge_pages.wait()
-        states[mode] = target.cpu_matmul
+        states[mode] = target.cpu_kernels
         rows[f"plain {mode}"] = Session(target)
         if a.draft or a.head:
             other = compile(a.draft or a.head, cfg)
@@ -83,7 +83,7 @@ def main() -> None:
             steps[mode].append(step_times(rows[f"plain {mode}"].target, None, sorted({2, 4, a.k}), context=len(text) - max(4, a.k) - 2,
                                           text=text, repeats=30))
     result = {"target": a.target.rstrip("/").split("/")[-1], "cpu": cpu_model(), "threads": a.threads,
-              "cpu_matmul": states, "tok_per_s_vs_plain_ort": {n: round(statistics.median(r) / base, 3)
+              "cpu_kernels": states, "tok_per_s_vs_plain_ort": {n: round(statistics.median(r) / base, 3)
                                                               for n, r in rates.items()},
               "plain_ort_tok_per_s": round(base, 1), "equals_plain_greedy_on_the_same_kernel": same,
               "plain_outputs_equal_across_kernels": want["ort"] == want["rlxrt"], "step_ms": {}, "step_vs_t1": {}}

@@ -1,4 +1,4 @@
-"""rlxrt's CPU MatMul kernel (backends/stream_matmul.c, backends/cpu_matmul.py): the custom op against numpy in
+"""rlxrt's CPU MatMul kernel (backends/stream_matmul.c, backends/cpu_kernels.py): the custom op against numpy in
 every vector width this CPU runs, a row's output the same alone or among others, the graph rewrite, the
 choice in compile(), the cache, typed errors, and exact speculation over rewritten exported graphs."""
 import json
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from rlxrt import Config, ConfigError, ProviderError, compile, load_config
-from rlxrt.backends import cpu_matmul
+from rlxrt.backends import cpu_kernels
 
-pytestmark = pytest.mark.skipif(cpu_matmul.library() is None, reason="the kernel library was not built")
+pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="the kernel library was not built")
 SHAPES = [(70, 100), (64, 32), (5, 1), (33, 64), (256, 1000)]
 """(K, N): N below, at and past a 32-column panel, a single column, odd K."""
 Q4_SHAPES = [(64, 100), (32, 1), (576, 70), (96, 32)]
@@ -157,11 +157,11 @@ def check_attention(threads: int, rng) -> float:
 def session(model, threads: int = 1):
     import onnxruntime as ort
 
-    plan = cpu_matmul.plan(model, "rlxrt", "cpu")
-    cpu_matmul.rewrite(model, plan)
+    plan = cpu_kernels.plan(model, "rlxrt", "cpu")
+    cpu_kernels.rewrite(model, plan)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
-    cpu_matmul.register(opts)
+    cpu_kernels.register(opts)
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
@@ -205,7 +205,7 @@ def check_kernel(threads: int) -> dict:
 
                 model = int4_model(w, level=4)[0]
                 c4, sc = int4_blocks(w)
-                codes, scales, zero = cpu_matmul.unpack_codes(c4, 4), sc, 8
+                codes, scales, zero = cpu_kernels.unpack_codes(c4, 4), sc, 8
             else:
                 model, codes, scales = int8_model(w)
                 zero = 128
@@ -224,7 +224,7 @@ def check_kernel(threads: int) -> dict:
                     assert np.array_equal(s.run(None, {"x": x[:, r:r + 1]})[0][0, 0], y[0, r]), ("x8", bits, k, n, m, r)
     assert worst < 1e-5, worst
     assert check_attention(threads, rng) < 1e-5
-    return {"isa": cpu_matmul.isa(), "int8_isa": cpu_matmul.int8_isa(), "worst": worst}
+    return {"isa": cpu_kernels.isa(), "int8_isa": cpu_kernels.int8_isa(), "worst": worst}
 
 
 def isas() -> list[str]:
@@ -235,7 +235,7 @@ def isas() -> list[str]:
 
 @pytest.mark.parametrize("isa", isas())
 def test_every_vector_width_matches_numpy_and_computes_a_row_the_same_alone(isa):
-    env = {**os.environ, "RLXRT_STREAM_MATMUL_ISA": isa}
+    env = {**os.environ, "RLXRT_CPU_KERNELS_ISA": isa}
     for threads in (1, 2):
         out = subprocess.run([sys.executable, __file__, str(threads)], env=env, capture_output=True, text=True,
                              timeout=300)
@@ -248,19 +248,19 @@ def test_which_matmulnbits_the_kernel_takes():
     from onnx import numpy_helper
 
     w = np.random.default_rng(4).standard_normal((64, 40)).astype(np.float32)
-    assert cpu_matmul.plan(int4_model(w, zero_points=True)[0], "rlxrt", "cpu").nodes == []
+    assert cpu_kernels.plan(int4_model(w, zero_points=True)[0], "rlxrt", "cpu").nodes == []
     model, _ = int4_model(w)
-    plan = cpu_matmul.plan(model, "rlxrt", "cpu")
+    plan = cpu_kernels.plan(model, "rlxrt", "cpu")
     assert plan.nodes == [0] and plan.state.startswith("on: 1 MatMuls (1 int4)")
-    cpu_matmul.rewrite(model, plan)
+    cpu_kernels.rewrite(model, plan)
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     assert sorted(inits) == ["codes.codes", "codes.scales"]  # MatMulNBits' own blocks are dropped
     assert inits["codes.codes"].shape == (2, 64, 16) and inits["codes.scales"].shape == (2, 2, 32)
     assert not inits["codes.scales"][1, :, 8:].any() and (inits["codes.codes"][1, :, 8:16] == 0x88).all()
     level4, _ = int4_model(w, level=4)
-    plan = cpu_matmul.plan(level4, "rlxrt", "cpu")
+    plan = cpu_kernels.plan(level4, "rlxrt", "cpu")
     assert "1 with int8 activations" in plan.state
-    cpu_matmul.rewrite(level4, plan)
+    cpu_kernels.rewrite(level4, plan)
     assert [(n.op_type, sorted((a.name, a.i) for a in n.attribute)) for n in level4.graph.node] == [
         ("StreamMatMulQx8", [("bits", 4), ("n", 40)])]
     codes = {t.name: numpy_helper.to_array(t) for t in level4.graph.initializer}["codes.codes_x8"]
@@ -286,9 +286,9 @@ def test_the_rewrite_packs_each_weight_once_and_keeps_what_others_read():
     model.graph.node.append(helper.make_node("Identity", ["w1"], ["w1_copy"]))  # w1 is read by another node
     model.graph.output.append(helper.make_tensor_value_info("w1_copy", 1, None))
     model.graph.node.append(helper.make_node("MatMul", ["x", "x_t"], ["not_a_weight"]))  # B is no initializer
-    plan = cpu_matmul.plan(model, "rlxrt", "cpu")
+    plan = cpu_kernels.plan(model, "rlxrt", "cpu")
     assert plan.nodes == [0, 1, 2] and plan.weight_bytes == (16 * 40 + 16 * 8) * 4
-    cpu_matmul.rewrite(model, plan)
+    cpu_kernels.rewrite(model, plan)
     ops = [(n.op_type, n.domain) for n in model.graph.node]
     assert ops[:3] == [("StreamMatMul", "ai.rlxrt")] * 3 and ops[4] == ("MatMul", "")
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
@@ -325,7 +325,7 @@ def gemm_model(table: np.ndarray):
 def test_lm_head_gemms_in_the_graph_and_in_if_branches():
     table = np.random.default_rng(2).standard_normal((100, 24)).astype(np.float32)
     model = gemm_model(table)
-    plan = cpu_matmul.plan(model, "rlxrt", "cpu")
+    plan = cpu_kernels.plan(model, "rlxrt", "cpu")
     assert plan.nodes == [0, 2, 3] and plan.weight_bytes == table.nbytes  # main, then-branch, else-branch
     s = session(model)
     x = np.random.default_rng(3).standard_normal((5, 24)).astype(np.float32)
@@ -344,27 +344,27 @@ def test_lm_head_gemms_in_the_graph_and_in_if_branches():
 
 def test_what_the_plan_leaves_alone(monkeypatch):
     model = matmul_model([np.ones((4, 4), np.float32)])
-    assert cpu_matmul.plan(model, "ort", "cpu").state == "off: cpu_matmul = ort in config"
-    assert cpu_matmul.plan(model, "rlxrt", "cuda").state == "off: the session runs on cuda"
-    monkeypatch.setattr(cpu_matmul, "isa", lambda: "avx2")
-    auto = cpu_matmul.plan(model, "auto", "cpu")
-    assert not auto.nodes and "runs avx2 here" in auto.state and "cpu_matmul = rlxrt forces it" in auto.state
-    assert cpu_matmul.plan(model, "rlxrt", "cpu").nodes == [0]
-    monkeypatch.setattr(cpu_matmul, "isa", lambda: "avx512")
-    assert cpu_matmul.plan(model, "auto", "cpu").state.startswith("on: 1 MatMuls")
-    monkeypatch.setattr(cpu_matmul, "library", lambda: None)
-    assert "not built at install" in cpu_matmul.plan(model, "auto", "cpu").state
-    with pytest.raises(ProviderError, match="cpu_matmul = rlxrt.*set cpu_matmul = auto"):
-        cpu_matmul.plan(model, "rlxrt", "cpu")
+    assert cpu_kernels.plan(model, "ort", "cpu").state == "off: cpu_kernels = ort in config"
+    assert cpu_kernels.plan(model, "rlxrt", "cuda").state == "off: the session runs on cuda"
+    monkeypatch.setattr(cpu_kernels, "isa", lambda: "avx2")
+    auto = cpu_kernels.plan(model, "auto", "cpu")
+    assert not auto.nodes and "runs avx2 here" in auto.state and "cpu_kernels = rlxrt forces it" in auto.state
+    assert cpu_kernels.plan(model, "rlxrt", "cpu").nodes == [0]
+    monkeypatch.setattr(cpu_kernels, "isa", lambda: "avx512")
+    assert cpu_kernels.plan(model, "auto", "cpu").state.startswith("on: 1 MatMuls")
+    monkeypatch.setattr(cpu_kernels, "library", lambda: None)
+    assert "not built at install" in cpu_kernels.plan(model, "auto", "cpu").state
+    with pytest.raises(ProviderError, match="cpu_kernels = rlxrt.*set cpu_kernels = auto"):
+        cpu_kernels.plan(model, "rlxrt", "cpu")
     del model.graph.node[:]
-    assert cpu_matmul.plan(model, "rlxrt", "cpu").state.startswith("off: no float32 MatMul")
+    assert cpu_kernels.plan(model, "rlxrt", "cpu").state.startswith("off: no float32 MatMul")
 
 
 def test_the_config_key():
-    assert Config().cpu_matmul == "auto"
-    assert load_config(env={"RLXRT_CPU_MATMUL": "ORT"}).cpu_matmul == "ort"
-    with pytest.raises(ConfigError, match="'cpu_matmul'.*auto, rlxrt, ort.*'mlas'"):
-        Config(cpu_matmul="mlas")
+    assert Config().cpu_kernels == "auto"
+    assert load_config(env={"RLXRT_CPU_KERNELS": "ORT"}).cpu_kernels == "ort"
+    with pytest.raises(ConfigError, match="'cpu_kernels'.*auto, rlxrt, ort.*'mlas'"):
+        Config(cpu_kernels="mlas")
 
 
 def test_compile_rewrites_caches_and_says_so(tmp_path):
@@ -374,10 +374,10 @@ def test_compile_rewrites_caches_and_says_so(tmp_path):
     x = np.random.default_rng(0).standard_normal((5, 16)).astype(np.float32)
     outs = {}
     for mode in ("ort", "rlxrt", "rlxrt"):
-        g = compile(path, Config(intra_op_threads=1, cache_dir=str(tmp_path / "c"), cpu_matmul=mode))
+        g = compile(path, Config(intra_op_threads=1, cache_dir=str(tmp_path / "c"), cpu_kernels=mode))
         outs.setdefault(mode, []).append((g.cache, g.session.run(None, {"x": x})[0], g.cache_path))
-        assert g.to_dict()["cpu_matmul"] == g.cpu_matmul
-        assert g.cpu_matmul.startswith("on: 2 MatMuls") if mode == "rlxrt" else g.cpu_matmul.startswith("off: ")
+        assert g.to_dict()["cpu_kernels"] == g.cpu_kernels
+        assert g.cpu_kernels.startswith("on: 2 MatMuls") if mode == "rlxrt" else g.cpu_kernels.startswith("off: ")
     (c_ort, y_ort, p_ort), = outs["ort"]
     (c1, y1, p1), (c2, y2, p2) = outs["rlxrt"]
     assert (c_ort, c1, c2) == ("miss", "miss", "hit") and p1 == p2 != p_ort
@@ -388,7 +388,7 @@ def test_compile_rewrites_caches_and_says_so(tmp_path):
 
     cached = onnx.load(str(p1 / "model.onnx"), load_external_data=False)
     assert sum(n.op_type == "StreamMatMul" for n in cached.graph.node) == 2
-    g = compile(path, Config(intra_op_threads=1, cache=False, cpu_matmul="rlxrt"))  # no cache: a temporary copy
+    g = compile(path, Config(intra_op_threads=1, cache=False, cpu_kernels="rlxrt"))  # no cache: a temporary copy
     assert g.cache.startswith("off") and np.array_equal(g.session.run(None, {"x": x})[0], y1)
 
 
@@ -400,9 +400,9 @@ def test_nowhere_to_write_the_rewritten_graph_falls_back_to_ort_and_says_so(mlp,
     monkeypatch.setattr(tempfile, "mkdtemp", refuse)
     x = np.ones((3, 16), np.float32)
     with caplog.at_level("WARNING", logger="rlxrt"):
-        g = compile(mlp, Config(intra_op_threads=1, cache=False, cpu_matmul="rlxrt"))
-    assert g.cpu_matmul.startswith("off: the rewritten graph could not be written") and "Permission" in caplog.text
-    want = compile(mlp, Config(intra_op_threads=1, cache=False, cpu_matmul="ort")).session.run(None, {"x": x})[0]
+        g = compile(mlp, Config(intra_op_threads=1, cache=False, cpu_kernels="rlxrt"))
+    assert g.cpu_kernels.startswith("off: the rewritten graph could not be written") and "Permission" in caplog.text
+    want = compile(mlp, Config(intra_op_threads=1, cache=False, cpu_kernels="ort")).session.run(None, {"x": x})[0]
     np.testing.assert_allclose(g.session.run(None, {"x": x})[0], want, rtol=1e-6)
 
 
@@ -415,9 +415,9 @@ def test_greedy_speculation_over_the_kernel_is_exact(exported, graph):
     prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
     outs = {}
     for mode in ("ort", "rlxrt"):
-        cfg = Config(intra_op_threads=1, cache=False, cpu_matmul=mode)
+        cfg = Config(intra_op_threads=1, cache=False, cpu_kernels=mode)
         t, d = compile(target, cfg), compile(draft, cfg)
-        assert t.cpu_matmul.startswith("on: " if mode == "rlxrt" else "off: ")
+        assert t.cpu_kernels.startswith("on: " if mode == "rlxrt" else "off: ")
         plain = Session(t).generate(prompt, max_new_tokens=40, ignore_eos=True).token_ids
         for k in (1, 3, 8):
             for spec in (DraftModel(d), PromptLookup()):
@@ -439,9 +439,9 @@ def test_an_int4_target_through_the_kernel_stays_close_to_ort_and_speculates_exa
     ids = list(range(3, 40))
     logits, plain = {}, {}
     for mode in ("ort", "rlxrt"):
-        cfg = Config(intra_op_threads=1, cache=False, cpu_matmul=mode)
+        cfg = Config(intra_op_threads=1, cache=False, cpu_kernels=mode)
         g = compile(q4, cfg)
-        assert ("int4)" in g.cpu_matmul) == (mode == "rlxrt")
+        assert ("int4)" in g.cpu_kernels) == (mode == "rlxrt")
         logits[mode] = decoder_for(g).forward(ids)
         prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
         plain[mode] = Session(g).generate(prompt, max_new_tokens=30, ignore_eos=True).token_ids
@@ -463,7 +463,7 @@ def test_a_float32_fused_graph_on_rlxrts_kernels_verifies_bit_for_bit(exported):
     ids = list(range(3, 40))
     diffs = {}
     for mode in ("rlxrt", "ort"):
-        g = compile(target, Config(intra_op_threads=1, cache=False, cpu_matmul=mode))
+        g = compile(target, Config(intra_op_threads=1, cache=False, cpu_kernels=mode))
         assert g.rows_exact == (mode == "rlxrt")
         model = decoder_for(g)
         model.fetch_hidden()
@@ -489,11 +489,11 @@ def test_an_int8_activation_target_speculates_exactly_on_rlxrts_kernels(exported
     src = exported.source("llama", seed=4, init=0.02)
     fast = tmp_path / "q4i8"
     rlxrt.export(src, fast, quantize="int4", int4_compute="int8", with_hidden_states=True)
-    cfg = Config(intra_op_threads=1, cache=False, cpu_matmul="rlxrt")
+    cfg = Config(intra_op_threads=1, cache=False, cpu_kernels="rlxrt")
     g = compile(fast, cfg)
-    assert g.rows_exact and "with int8 activations" in g.cpu_matmul and "attention" in g.cpu_matmul
+    assert g.rows_exact and "with int8 activations" in g.cpu_kernels and "attention" in g.cpu_kernels
     assert g.to_dict()["rows_exact"]
-    on_ort = compile(fast, Config(intra_op_threads=1, cache=False, cpu_matmul="ort"))
+    on_ort = compile(fast, Config(intra_op_threads=1, cache=False, cpu_kernels="ort"))
     assert not on_ort.rows_exact
     ids = list(range(3, 40))
     model = decoder_for(g)
