@@ -38,8 +38,8 @@ ATTENTION = "StreamAttention"
 """What GroupQueryAttention becomes (stream_attention.h): a query row computed the same whatever the others."""
 PANEL = 32
 """Columns per packed panel (two 16-float vectors)."""
-KERNEL_VERSION = "1"
-"""Goes into the compile cache key: a graph rewritten for another kernel is never served."""
+KERNEL_VERSION = "2"
+"""Goes into the compile cache key with the plan: a graph rewritten for other packed layouts is never served."""
 LIBRARY_STEM = "_stream_matmul"
 
 
@@ -100,7 +100,7 @@ class Plan:
     """What the rewrite will do to one graph."""
 
     nodes: list[int]
-    """Positions, in ``_walk`` order, of the MatMuls and Gemms to replace."""
+    """Positions, in ``_walk`` order, of the nodes to replace (MatMul-like nodes and attention)."""
     weight_bytes: int
     """Bytes of their weights (a weight read by several of them counted once)."""
     state: str
