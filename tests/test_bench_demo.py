@@ -57,12 +57,15 @@ def test_bench_chat_sends_user_turns_and_stops_at_end_of_turn(exported, tmp_path
     from test_chat import CHATML
 
     from rlxrt.app.bench import run_bench
+    from rlxrt.backends import cpu_kernels
     from rlxrt.errors import UsageError
 
     model = exported("llama", seed=3, chat_template=CHATML)
     res = run_bench(model, None, ["def add(a, b):", "Write a loop."], max_new_tokens=12, repeats=1,
                     temperatures=(0.0,), ks=(2,), progress=False, chat=True)
     assert res["config"]["chat"] is True and res["config"]["min_prob"] == 0.0
+    assert [state.split(":")[0] for state in res["config"]["cpu_kernels"]] == [  # the target's, said as compile did
+        "on" if cpu_kernels.isa() in cpu_kernels.WINS_ON else "off"]
     assert set(res["temperatures"]["0.0"]) == {"plain", "prompt lookup k=4"}
     # the prompts went through the template: the requests' prompt lengths are those of the rendered turns
     from rlxrt.sessions import Session

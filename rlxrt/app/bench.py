@@ -201,7 +201,8 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
                                           "repeats": repeats, "threads": threads,
                                           "providers": list(target_graph.providers), "ks": list(ks),
                                           "chat": chat, "min_prob": min_prob or 0.0, "cpu": cpu_model(),
-                                          "huge_pages": [g.huge_pages.wait() for g in graphs if g is not None]},
+                                          "huge_pages": [g.huge_pages.wait() for g in graphs if g is not None],
+                                          "cpu_kernels": [g.cpu_kernels for g in graphs if g is not None]},
                                "temperatures": {}}
     prompt_lens: list[int] = []
     for s in sessions.values():  # warm-up: first runs allocate
