@@ -144,3 +144,23 @@ def test_smollm2_recipe_keeps_the_bench_prompts_out_of_the_self_written_requests
     (tmp_path / "head" / "rlxrt.json").write_text("{}")
     smollm2.build(tmp_path)
     assert calls == []
+
+
+def test_bench_rows_of_two_heads_in_directories_of_the_same_name_stay_apart(tmp_path):
+    """Two heads both in directories named ``mtp`` get a row each (they once shared one row, the last head's)."""
+    import shutil
+    from pathlib import Path
+
+    from rlxrt.app.bench import head_labels
+
+    shipped = Path(__file__).resolve().parents[1] / "rlxrt" / "assets" / "reference" / "mtp"
+    for side in "ab":
+        shutil.copytree(shipped, tmp_path / side / "mtp")
+    assert head_labels([tmp_path / "a" / "mtp", tmp_path / "b" / "mtp"]) == ["a/mtp", "b/mtp"]
+    assert head_labels([tmp_path / "a" / "mtp"] * 2) == ["mtp", "mtp#2"]
+    r = rlxrt("bench", "--head", str(tmp_path / "a" / "mtp"), str(tmp_path / "b" / "mtp"), "--no-hf", "--prompts", "1",
+              "--repeats", "1", "--max-new-tokens", "4", "--ks", "1", "--temperatures", "0", "--quiet",
+              "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads((tmp_path / "out" / "bench.json").read_text())["temperatures"]["0.0"]
+    assert {"mtp[a/mtp] k=1", "mtp[b/mtp] k=1", "lookup+mtp[a/mtp] k=1", "lookup+mtp[b/mtp] k=1"} <= set(rows)

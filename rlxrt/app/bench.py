@@ -43,6 +43,20 @@ class Progress:
         sys.stderr.flush()
 
 
+
+def head_labels(heads: list[Path]) -> list[str]:
+    """A distinct row label for each head: the shortest tail of its path that no other head shares (two heads in
+    directories both named ``head`` would otherwise share their rows, and one would be measured in silence)."""
+    parts = [Path(h).resolve().parts for h in heads]
+    labels = []
+    for i, p in enumerate(parts):
+        n = 1
+        while n < len(p) and any(q != p and q[-n:] == p[-n:] for q in parts):  # the same head twice: #2 below
+            n += 1
+        label = "/".join(p[-n:])
+        labels.append(label if label not in labels else f"{label}#{labels.count(label) + 1}")
+    return labels
+
 def analytic_speedup(tokens_per_round: float, t_round: float, t1: float) -> float:
     """The speedup a loop with no overhead would reach: tokens_per_round * T(1) / T(round).
 
@@ -146,10 +160,10 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
                   for p in probs_ for k in ks]
         specs.append(Spec("draft adaptive", lambda: DraftModel(draft_graph), k=max(ks) // 2 or 1, adaptive=True))
     heads = [] if head_dir is None else [Path(head_dir)] if isinstance(head_dir, (str, Path)) else list(head_dir)
-    for hd in heads:  # several heads: rows named after each head's directory
+    for hd, label in zip(heads, head_labels(heads)):  # several heads: rows named after each head's directory
         head_graph = compile(hd, config)
         graphs.append(head_graph)
-        tag = f"mtp[{hd.name}]" if len(heads) > 1 else "mtp"
+        tag = f"mtp[{label}]" if len(heads) > 1 else "mtp"
         specs += [Spec(f"{tag} k={k}{suffix(p)}", lambda g=head_graph, p=p: MtpHead(g, min_prob=p), k=k)
                   for p in probs_ for k in ks]
         specs += [Spec(f"lookup+{tag} k={k}{suffix(p)}", lambda g=head_graph, p=p: build("lookup+mtp", g, None, p), k=k)
@@ -160,6 +174,7 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
     specs.append(Spec("prompt lookup k=4", lambda: PromptLookup(), k=4))
     sessions = {s.name: Session(target_graph, s.make(), k=s.k, adaptive_k=s.adaptive, k_max=min(max(ks) + 2, K_MAX))
                 for s in specs}
+    assert len(sessions) == len(specs), "two bench rows share a name"
     if other_target is not None:
         graphs.append(compile(other_target, config))
         other = Session(graphs[-1])
