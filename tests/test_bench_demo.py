@@ -126,9 +126,14 @@ def test_smollm2_recipe_keeps_the_bench_prompts_out_of_the_self_written_requests
     assert calls[:2] == [["export", "target", "--with-hidden-states"],
                          ["export", "text", "--quantize", "int4", "--int4-compute", "int8"]]
     distills, train = calls[2:-1], calls[-1]
-    assert len(distills) == 3 and all(c[:2] == ["distill", str(tmp_path / "text")] for c in distills)
+    assert len(distills) == 5 and all(c[:2] == ["distill", str(tmp_path / "text")] for c in distills)
     outs = {c[c.index("--out") + 1]: c for c in distills}
-    assert sorted(outs) == sorted(str(tmp_path / n) for n in ("distill.json", "self-a.json", "self-b.json"))
+    selves = ("self-a.json", "self-b.json", "self-c.json", "self-d.json")
+    assert sorted(outs) == sorted(str(tmp_path / n) for n in ("distill.json", *selves))
+    seeds = [int(c[c.index("--seed") + 1]) for c in distills if "--self-prompts" in c]
+    spans = sorted((s, s + int(c[c.index("--self-prompts") + 1]))  # try i draws with seed s + i
+                   for s, c in zip(seeds, [c for c in distills if "--self-prompts" in c]))
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), f"self-written runs share seeds: {spans}"
     for out, c in outs.items():
         assert ("--exclude" in c) == ("--self-prompts" in c) == (not out.endswith("distill.json"))
     own = outs[str(tmp_path / "self-a.json")]
@@ -138,7 +143,7 @@ def test_smollm2_recipe_keeps_the_bench_prompts_out_of_the_self_written_requests
     assert len(instructions) > 400 and not set(smollm2.BENCH_PROMPTS) & set(instructions)
     assert train[:2] == ["train-head", str(tmp_path / "target")]
     assert train[train.index("--corpus") + 1:train.index("--out")] == [
-        str(tmp_path / n) for n in ("self-a.json", "self-b.json", "distill.json", "corpus.json")]
+        str(tmp_path / n) for n in ("distill.json", *selves, "corpus.json")]
     calls.clear()
     (tmp_path / "head").mkdir()
     (tmp_path / "head" / "rlxrt.json").write_text("{}")

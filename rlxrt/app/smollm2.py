@@ -22,8 +22,10 @@ from importlib.resources import files
 from pathlib import Path
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TRAIN = ["--steps", "2400", "--draft-vocab", "8192", "--max-tokens", "600000", "--threads", "2"]
-"""The head's training flags (the dialogues come first in the corpus, so all of them are used)."""
+TRAIN = ["--steps", "3000", "--draft-vocab", "8192", "--max-tokens", "1300000", "--threads", "2"]
+"""The head's training flags: the dialogues come first in the corpus (1.1M training tokens), so all of them are
+used, and the standard library's sources fill the rest of the budget (about 95 minutes on 2 cores: 45 for the
+teacher's pass, 50 of training at ~2,100 tok/s)."""
 REPLY = ["--max-new-tokens", "160", "--temperatures", "0,0.7", "--threads", "1"]
 """How the target replies when writing the corpus: on the int4 export that keeps the GGUF's blocks, computed
 with int8 activations (~110-135 tok/s a process; its greedy chat replies equal the float32 graph's on 5 of 8
@@ -31,12 +33,13 @@ bench prompts and part after 22-44 tokens on the others, where a re-quantised in
 one thread a process, two processes at once. The replies only give the text: the teacher is the float32
 graph."""
 LANES = [[["--prompts", "distill-prompts.json", "--out", "distill.json"],
-          ["--self-prompts", "1200", "--seed", "1000", "--out", "self-a.json"]],
-         [["--self-prompts", "1600", "--seed", "5000", "--out", "self-b.json"]]]
-"""The distill runs, two lanes side by side (about 40 minutes on 2 cores for 436,927 reply tokens): the replies
-to ``distill_prompts``, then the target's own requests and replies; the self-written requests exclude
-``BENCH_PROMPTS``."""
-CORPORA = ("self-a.json", "self-b.json", "distill.json", "corpus.json")
+          ["--self-prompts", "1200", "--seed", "1000", "--out", "self-a.json"],
+          ["--self-prompts", "1600", "--seed", "9000", "--out", "self-c.json"]],
+         [["--self-prompts", "1600", "--seed", "5000", "--out", "self-b.json"],
+          ["--self-prompts", "1600", "--seed", "13000", "--out", "self-d.json"]]]
+"""The distill runs, two lanes side by side (about 80 minutes on 2 cores): the replies to ``distill_prompts``,
+then the target's own requests and replies; the self-written requests exclude ``BENCH_PROMPTS``."""
+CORPORA = ("distill.json", "self-a.json", "self-b.json", "self-c.json", "self-d.json", "corpus.json")
 PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
            "Explain in two sentences what a hash table is.",
            "Write a Python class Stack with push, pop and peek methods.",
