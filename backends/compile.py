@@ -187,7 +187,7 @@ def compile(model: str | os.PathLike, config: Config | None = None, *,
     proto, ext_files = external_files(graph_path)
     res = registry.resolve(config)
     ort = registry.ort
-    matmul = cpu_kernels.plan(proto, config.cpu_kernels, res.names[0] if res.names else "cpu")
+    kernels = cpu_kernels.plan(proto, config.cpu_kernels, res.names[0] if res.names else "cpu")
     del proto
 
     cache_state, cache_path, session = "off", None, None
@@ -198,9 +198,9 @@ def compile(model: str | os.PathLike, config: Config | None = None, *,
     elif non_cacheable:
         cache_state = f"off: {', '.join(non_cacheable)} compiles nodes at load; ORT cannot save them"
     else:
-        session, cache_state, cache_path = _cached_session(ort, graph_path, ext_files, config, res, matmul)
+        session, cache_state, cache_path = _cached_session(ort, graph_path, ext_files, config, res, kernels)
     if session is None:
-        session = _fresh_session(ort, graph_path, session_options(ort, config), res, matmul)
+        session = _fresh_session(ort, graph_path, session_options(ort, config), res, kernels)
 
     used = [short_name(p) for p in session.get_providers()]
     fallbacks = list(res.fallbacks)
@@ -225,23 +225,23 @@ def compile(model: str | os.PathLike, config: Config | None = None, *,
         session=session, path=graph_path, manifest=manifest, providers=used,
         requested=list(config.providers), fallbacks=fallbacks, inputs=inputs, outputs=outputs,
         cache=cache_state, cache_path=cache_path, load_seconds=time.perf_counter() - start, config=config,
-        errors=ort_errors(ort), huge_pages=pages, cpu_kernels=matmul.state,
-        rows_exact=bool(matmul.nodes) and matmul.rows_exact,
+        errors=ort_errors(ort), huge_pages=pages, cpu_kernels=kernels.state,
+        rows_exact=bool(kernels.nodes) and kernels.rows_exact,
     )
 
 
-def _fresh_session(ort, graph_path: Path, opts, res: Resolution, matmul: cpu_kernels.Plan, work: Path | None = None):
+def _fresh_session(ort, graph_path: Path, opts, res: Resolution, kernels: cpu_kernels.Plan, work: Path | None = None):
     """A session of the graph, with rlxrt's kernels put in first when planned: the rewritten graph is written to
     ``work`` (a temporary directory when None) and removed once ONNX Runtime has read it."""
-    if not matmul.nodes:
+    if not kernels.nodes:
         return _make_session(ort, graph_path, opts, res)
     own = work is None
     try:
         work = Path(tempfile.mkdtemp(prefix=".rlxrt-matmul-")) if own else work
-        source = cpu_kernels.rewritten(graph_path, matmul, work)
-    except OSError as exc:  # nowhere to write it: ONNX Runtime's MatMul, said so
-        matmul.nodes, matmul.state = [], f"off: the rewritten graph could not be written ({exc})"
-        log.warning("rlxrt's kernels are %s", matmul.state[5:])
+        source = cpu_kernels.rewritten(graph_path, kernels, work)
+    except OSError as exc:  # nowhere to write it: ONNX Runtime's kernels, said so
+        kernels.nodes, kernels.state = [], f"off: the rewritten graph could not be written ({exc})"
+        log.warning("rlxrt's kernels are %s", kernels.state[5:])
         return _make_session(ort, graph_path, opts, res)
     try:
         return _make_session(ort, source, opts, res)
@@ -253,23 +253,23 @@ def _fresh_session(ort, graph_path: Path, opts, res: Resolution, matmul: cpu_ker
 
 
 def _cached_session(ort, graph_path: Path, ext_files: list[Path], config: Config, res: Resolution,
-                    matmul: cpu_kernels.Plan):
+                    kernels: cpu_kernels.Plan):
     """(session, cache state, entry): the cached optimised graph, or a fresh compile written into the cache.
     A cache that cannot be used (read-only, a file, a full disk) gives (None, "off: why", None): the caller
     compiles without it; a bad model still fails as a bad model."""
     root = Path(config.cache_dir)
     model_hash = content_hash([graph_path, *ext_files], memo_dir=root / "hashes")
     entry = root / "graphs" / _cache_key(model_hash, ort.__version__, res, config,
-                                         f"{cpu_kernels.KERNEL_VERSION}|{matmul.state}")
+                                         f"{cpu_kernels.KERNEL_VERSION}|{kernels.state}")
     session = _load_cached(ort, entry, config, res)
     if session is not None:
         return session, "hit", entry
     try:
-        return _compile_into_cache(ort, graph_path, entry, config, res, matmul), "miss", entry
+        return _compile_into_cache(ort, graph_path, entry, config, res, kernels), "miss", entry
     except OSError as exc:
         why = exc.strerror or str(exc)
     except ModelFormatError as exc:  # ORT may fail writing the optimised graph: is it the model or the cache?
-        _fresh_session(ort, graph_path, session_options(ort, config), res, matmul)  # raises if it is the model
+        _fresh_session(ort, graph_path, session_options(ort, config), res, kernels)  # raises if it is the model
         why = f"ONNX Runtime could not write the optimised graph there ({str(exc)[:200]})"
     state = f"off: cache dir {config.cache_dir!r} is unusable ({why})"
     log.warning("compiling %s without the cache: %s", graph_path, state[5:])
@@ -307,7 +307,7 @@ def _entry_problem(entry: Path) -> str | None:
 
 
 def _compile_into_cache(ort, graph_path: Path, entry: Path, config: Config, res: Resolution,
-                        matmul: cpu_kernels.Plan):
+                        kernels: cpu_kernels.Plan):
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
     try:
@@ -317,7 +317,7 @@ def _compile_into_cache(ort, graph_path: Path, entry: Path, config: Config, res:
                                       "model.onnx.data")
         opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
                                       "1024")
-        session = _fresh_session(ort, graph_path, opts, res, matmul, work=tmp)
+        session = _fresh_session(ort, graph_path, opts, res, kernels, work=tmp)
         sizes = {f.name: f.stat().st_size for f in tmp.iterdir()}
         (tmp / "meta.json").write_text(json.dumps({
             "source": graph_path.name, "ort": ort.__version__, "providers": res.providers,

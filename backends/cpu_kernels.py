@@ -243,6 +243,8 @@ def pack_qx8(codes: np.ndarray, scales: np.ndarray, bits: int) -> tuple[np.ndarr
 def plan(model, mode: str, provider: str) -> Plan:
     """Which MatMuls, Gemms and MatMulNBits ``mode`` (auto, rlxrt, ort) rewrites in ``model`` (an onnx
     ModelProto, weights loaded or not) for a session whose first provider is ``provider``."""
+    from onnx import TensorProto
+
     if mode == "ort":
         return Plan([], 0, "off: cpu_kernels = ort in config")
     if provider != "cpu":
@@ -264,7 +266,8 @@ def plan(model, mode: str, provider: str) -> Plan:
         found = {i: w for i, w in found.items() if wins[w.kind.endswith("x8")]}
         attention = attention if wins[False] else []
     read = {name for w in found.values() for name in w.names}
-    size = sum(int(np.prod(inits[name].dims)) * (1 if inits[name].data_type == 2 else 4) for name in read)
+    size = sum(int(np.prod(inits[name].dims)) * (1 if inits[name].data_type == TensorProto.UINT8 else 4)
+               for name in read)
     if not found and not attention:
         return Plan([], size, f"off: the kernel runs {isa()} here, where ONNX Runtime's MatMul was not measured "
                               "slower (cpu_kernels = rlxrt forces it)")

@@ -37,7 +37,7 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "layout", "all")
-CPU_MATMUL = ("auto", "rlxrt", "ort")
+CPU_KERNELS = ("auto", "rlxrt", "ort")
 CONFIG_FILE_NAME = "rlxrt.toml"
 ENV_PREFIX = "RLXRT_"
 
@@ -211,8 +211,8 @@ def _coerce(key: str, value: Any, source: str) -> Any:
         return norm
     if key == "cpu_kernels":
         norm = str(value).strip().lower()
-        if norm not in CPU_MATMUL:
-            raise ConfigError(f"config key 'cpu_kernels' (from {source}) must be one of {', '.join(CPU_MATMUL)}, "
+        if norm not in CPU_KERNELS:
+            raise ConfigError(f"config key 'cpu_kernels' (from {source}) must be one of {', '.join(CPU_KERNELS)}, "
                               f"got {value!r}")
         return norm
     if key == "cache_dir":
@@ -226,7 +226,7 @@ def _coerce(key: str, value: Any, source: str) -> Any:
 
 NOT_CONFIG_ENV = ("CONFIG", "SMOLLM2_DIR", "CPU_KERNELS_ISA")
 """RLXRT_ variables that are not config fields: the config file's path, where the SmolLM2 recipe builds, and
-the vector width rlxrt's MatMul kernel uses (generic, avx2, avx512; default the widest the CPU runs)."""
+the vector width rlxrt's CPU kernels use (generic, avx2, avx512; default the widest the CPU runs)."""
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, str]:

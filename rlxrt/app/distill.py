@@ -5,9 +5,8 @@ A head drafts best on the text it will meet when drafting: the target's own repl
 with the target's chat template when it has one (a user turn), the target replies (rlxrt Session, prompt
 lookup to go faster: exact, so the replies are the target's own; plainly on an int4 graph computed with int8
 activations where ONNX Runtime's kernels run it, which refuses speculation there), and the rendered prompt plus
-the reply (plus
-the end-of-turn token when the reply ended with it) is one document of the output: a JSON list of texts,
-written after every reply, so that a stopped run continues where it stopped. Temperatures cycle over
+the reply (plus the end-of-turn token when the reply ended with it) is one document of the output: a JSON list
+of texts, written after every reply, so that a stopped run continues where it stopped. Temperatures cycle over
 the prompts (``--temperatures 0,0.7``: half greedy, half sampled with a per-prompt seed).
 
 With no instructions at hand, ``--self-prompts N`` lets the target write them too (as Magpie does): from its
