@@ -54,56 +54,99 @@ typedef int32_t att_ivec __attribute__((vector_size(ATT_LANES * 4)));
   }
 
 /* Rows are (token i, head h) pairs of one kv group, taken 4 at a time: their raw scores over each row's own key
- * range go to scores[r] (SCORES: one dot product per row and key), then each row's softmax and weighted values. */
+ * range go to scores[r] (SCORES: one dot product per row and key), then each row's softmax, then the weighted
+ * values of all 4 rows in one walk over the value rows. A row's sums run over its keys in ascending order into
+ * two partial sums per 16 lanes (even and odd key positions, added at the end), whatever rows share its walk. */
 #define ATT_ROWS 4
+
+/* acc[s][parity] += e_s[j] * v[j] for rows s < R over keys j = from .. to (R a constant where inlined) */
+#define ATT_PV(NAME, TARGET)                                                                                 \
+  TARGET AI void NAME##_pv(int R, const float *v, int64_t D, int64_t from, int64_t to, float *const *e,        \
+                           const int64_t *lo, att_vec (*acc)[2]) {                                           \
+    int64_t j = from;                                                                                        \
+    if (j <= to && (j & 1)) {                                                                                \
+      att_vec x;                                                                                             \
+      memcpy(&x, v + j * D, sizeof x);                                                                       \
+      for (int s = 0; s < R; s++) acc[s][1] += e[s][j - lo[s]] * x;                                           \
+      j++;                                                                                                   \
+    }                                                                                                        \
+    for (; j + 1 <= to; j += 2) {                                                                            \
+      att_vec x0, x1;                                                                                        \
+      memcpy(&x0, v + j * D, sizeof x0);                                                                     \
+      memcpy(&x1, v + (j + 1) * D, sizeof x1);                                                               \
+      for (int s = 0; s < R; s++) {                                                                          \
+        acc[s][0] += e[s][j - lo[s]] * x0;                                                                   \
+        acc[s][1] += e[s][j + 1 - lo[s]] * x1;                                                               \
+      }                                                                                                      \
+    }                                                                                                        \
+    if (j <= to) {                                                                                           \
+      att_vec x;                                                                                             \
+      memcpy(&x, v + j * D, sizeof x);                                                                       \
+      for (int s = 0; s < R; s++) acc[s][0] += e[s][j - lo[s]] * x;                                           \
+    }                                                                                                        \
+  }
 
 #define ATT_VARIANT(NAME, TARGET, SCORES)                                                                    \
   ATT_EXP(NAME, TARGET)                                                                                      \
+  ATT_PV(NAME, TARGET)                                                                                       \
   TARGET static void NAME##_group(const Attention *t, int64_t g, float *scratch_rows) {                      \
     int64_t G = t->H / t->KV, R = t->S * G, stride = t->cap + ATT_LANES;                                     \
     const float *keys = t->keys + g * t->cap * t->D, *values = t->values + g * t->cap * t->D;                \
     for (int64_t r0 = 0; r0 < R; r0 += ATT_ROWS) {                                                           \
       int rows = (int)(R - r0 < ATT_ROWS ? R - r0 : ATT_ROWS);                                               \
       const float *q[ATT_ROWS] = {0};                                                                        \
-      int64_t lo[ATT_ROWS] = {0}, hi[ATT_ROWS] = {0};                                                        \
-      float *scores[ATT_ROWS];                                                                               \
+      int64_t lo[ATT_ROWS] = {0}, hi[ATT_ROWS] = {0}, shared_lo = 0, shared_hi = INT64_MAX;                  \
+      float *scores[ATT_ROWS], total[ATT_ROWS];                                                              \
       for (int s = 0; s < rows; s++) {                                                                       \
         int64_t i = (r0 + s) / G, h = g * G + (r0 + s) % G;                                                  \
         hi[s] = t->first + i;                                                                                \
         lo[s] = t->window > 0 && hi[s] - t->window + 1 > 0 ? hi[s] - t->window + 1 : 0;                      \
         q[s] = t->q + (i * t->H + h) * t->D;                                                                 \
         scores[s] = scratch_rows + s * stride;                                                               \
+        shared_lo = lo[s] > shared_lo ? lo[s] : shared_lo;                                                   \
+        shared_hi = hi[s] < shared_hi ? hi[s] : shared_hi;                                                   \
       }                                                                                                      \
       SCORES(t, keys, rows, q, lo, hi, scores);                                                              \
-      for (int s = 0; s < rows; s++) {                                                                       \
-        int64_t i = (r0 + s) / G, h = g * G + (r0 + s) % G;                                                  \
+      for (int s = 0; s < rows; s++) { /* softmax numerators in place, and their sum */                      \
         int64_t n = hi[s] - lo[s] + 1, padded = (n + ATT_LANES - 1) / ATT_LANES * ATT_LANES;                 \
-        float *sc = scores[s], top = -INFINITY;                                                              \
-        for (int64_t j = 0; j < n; j++) top = sc[j] > top ? sc[j] : top;                                     \
+        float *sc = scores[s];                                                                               \
         for (int64_t j = n; j < padded; j++) sc[j] = -INFINITY; /* exp gives 0 */                            \
-        att_vec sum = {0};                                                                                   \
+        att_vec top = (att_vec){0} - INFINITY, sum = {0};                                                    \
         for (int64_t j = 0; j < padded; j += ATT_LANES) {                                                    \
           att_vec x;                                                                                         \
           memcpy(&x, sc + j, sizeof x);                                                                      \
-          x = NAME##_exp(x - top);                                                                           \
+          top = lane_max(top, x);                                                                            \
+        }                                                                                                    \
+        att_vec m = (att_vec){0} + tree_max(top);                                                            \
+        for (int64_t j = 0; j < padded; j += ATT_LANES) {                                                    \
+          att_vec x;                                                                                         \
+          memcpy(&x, sc + j, sizeof x);                                                                      \
+          x = NAME##_exp(x - m);                                                                             \
           memcpy(sc + j, &x, sizeof x);                                                                      \
           sum += x;                                                                                          \
         }                                                                                                    \
-        float total = tree_sum(sum);                                                                         \
-        att_vec acc[16] = {{0}}; /* D <= 256 */                                                              \
-        for (int64_t j = 0; j < n; j++) {                                                                    \
-          float e = sc[j];                                                                                   \
-          const float *v_row = values + (lo[s] + j) * t->D;                                                  \
-          for (int64_t d = 0; d < t->D; d += ATT_LANES) {                                                    \
-            att_vec v;                                                                                       \
-            memcpy(&v, v_row + d, sizeof v);                                                                 \
-            acc[d / ATT_LANES] += e * v;                                                                     \
-          }                                                                                                  \
+        total[s] = tree_sum(sum);                                                                            \
+      }                                                                                                      \
+      int shared = shared_lo <= shared_hi; /* keys every row reads (none if windows keep them apart) */        \
+      for (int64_t c = 0; c < t->D; c += ATT_LANES) { /* 16 lanes of the values at a time */                 \
+        att_vec acc[ATT_ROWS][2];                                                                            \
+        const float *v = values + c;                                                                         \
+        for (int s = 0; s < rows; s++) { /* a row's keys before the shared ones */                           \
+          acc[s][0] = acc[s][1] = (att_vec){0};                                                              \
+          NAME##_pv(1, v, t->D, lo[s], shared ? shared_lo - 1 : hi[s], &scores[s], &lo[s], &acc[s]);         \
         }                                                                                                    \
-        float *out = t->out + (i * t->H + h) * t->D;                                                         \
-        for (int64_t d = 0; d < t->D; d += ATT_LANES) {                                                      \
-          att_vec r = acc[d / ATT_LANES] / total;                                                            \
-          memcpy(out + d, &r, sizeof r);                                                                     \
+        if (shared)                                                                                          \
+          switch (rows) { /* the shared keys, each value row loaded once for all rows */                     \
+            case 1: NAME##_pv(1, v, t->D, shared_lo, shared_hi, scores, lo, acc); break;                     \
+            case 2: NAME##_pv(2, v, t->D, shared_lo, shared_hi, scores, lo, acc); break;                     \
+            case 3: NAME##_pv(3, v, t->D, shared_lo, shared_hi, scores, lo, acc); break;                     \
+            default: NAME##_pv(4, v, t->D, shared_lo, shared_hi, scores, lo, acc); break;                    \
+          }                                                                                                  \
+        for (int s = 0; s < rows; s++) { /* the keys after them, then the row's output */                    \
+          int64_t i = (r0 + s) / G, h = g * G + (r0 + s) % G;                                                \
+          if (shared) NAME##_pv(1, v, t->D, shared_hi + 1, hi[s], &scores[s], &lo[s], &acc[s]);              \
+          att_vec r = (acc[s][0] + acc[s][1]) / total[s];                                                    \
+          memcpy(t->out + (i * t->H + h) * t->D + c, &r, sizeof r);                                          \
         }                                                                                                    \
       }                                                                                                      \
     }                                                                                                        \
@@ -113,6 +156,22 @@ typedef int32_t att_ivec __attribute__((vector_size(ATT_LANES * 4)));
 static inline float tree_sum(att_vec v) {
   for (int width = ATT_LANES / 2; width > 0; width /= 2)
     for (int l = 0; l < width; l++) v[l] += v[l + width];
+  return v[0];
+}
+
+/* the larger of each pair of lanes (b where a is not greater, so a NaN score never wins), and of all lanes */
+static inline att_vec lane_max(att_vec a, att_vec b) {
+  att_ivec take = b > a, ai, bi;
+  memcpy(&ai, &a, sizeof a);
+  memcpy(&bi, &b, sizeof b);
+  ai = (bi & take) | (ai & ~take);
+  memcpy(&a, &ai, sizeof a);
+  return a;
+}
+
+static inline float tree_max(att_vec v) {
+  for (int width = ATT_LANES / 2; width > 0; width /= 2)
+    for (int l = 0; l < width; l++) v[l] = v[l + width] > v[l] ? v[l + width] : v[l];
   return v[0];
 }
 

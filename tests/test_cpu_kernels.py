@@ -118,39 +118,41 @@ def attention_model(window: int = -1, packed: bool = True, heads=(6, 2), d: int 
 
 def check_attention(threads: int, rng) -> float:
     """StreamAttention against ONNX Runtime's GroupQueryAttention (outputs, the keys and values written), and a
-    3-row call against three one-row calls, bit for bit."""
+    multi-row call against one-row calls, bit for bit: head sizes 32 and 64, one to three query heads a kv
+    head, windows that leave the rows of a call keys in common (5) and none (2)."""
     import copy
 
     import onnxruntime as ort
 
     worst = 0.0
-    h, kv, d, cap = 6, 2, 32, 64
-    for window in (-1, 5):
-        for packed in (True, False):
-            model = attention_model(window, packed, (h, kv), d, cap)
-            opts = ort.SessionOptions()
-            opts.intra_op_num_threads = threads
-            theirs = ort.InferenceSession(copy.deepcopy(model).SerializeToString(), opts, providers=["CPUExecutionProvider"])
-            ours = session(model, threads)
-            assert [n.op_type for n in model.graph.node] == ["StreamAttention"]
-            x = rng.standard_normal((1, 3, (h + 2 * kv) * d)).astype(np.float32)
-            past = rng.standard_normal((2, 1, kv, cap, d)).astype(np.float32)
+    cap = 64
+    for (h, kv, d, n), window, packed in [((6, 2, 32, 3), w, p) for w in (-1, 5) for p in (True, False)] + [
+            ((4, 4, 64, 5), -1, True), ((4, 2, 64, 5), 2, True), ((2, 1, 32, 5), 2, False)]:
+        model = attention_model(window, packed, (h, kv), d, cap)
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        theirs = ort.InferenceSession(copy.deepcopy(model).SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        ours = session(model, threads)
+        assert [nd.op_type for nd in model.graph.node] == ["StreamAttention"]
+        x = rng.standard_normal((1, n, (h + 2 * kv) * d)).astype(np.float32)
+        past = rng.standard_normal((2, 1, kv, cap, d)).astype(np.float32)
 
-            def feed(rows, at, k, v):
-                xs = x[:, rows]
-                parts = {"qkv": xs} if packed else {"q": xs[..., :h * d].copy(), "k": xs[..., h * d:(h + kv) * d].copy(),
-                                                    "v": xs[..., (h + kv) * d:].copy()}
-                return {**parts, "pk": k, "pv": v, "seqlens_k": np.array([at + xs.shape[1] - 1], np.int32),
-                        "total": np.array(at + xs.shape[1], np.int32)}
-            want = theirs.run(None, feed(slice(0, 3), 20, past[0].copy(), past[1].copy()))
-            got = ours.run(None, feed(slice(0, 3), 20, past[0].copy(), past[1].copy()))
-            worst = max(worst, float(np.abs(got[0] - want[0]).max()), float(np.abs(got[1][:, :, :23] - want[1][:, :, :23]).max()))
-            assert np.array_equal(got[2][:, :, :23], want[2][:, :, :23])
-            k, v, rows = past[0].copy(), past[1].copy(), []
-            for i in range(3):
-                out, k, v = ours.run(None, feed(slice(i, i + 1), 20 + i, k, v))
-                rows.append(out)
-            assert np.array_equal(np.concatenate(rows, 1), got[0]) and np.array_equal(k, got[1]), (window, packed)
+        def feed(rows, at, k, v):
+            xs = x[:, rows]
+            parts = {"qkv": xs} if packed else {"q": xs[..., :h * d].copy(), "k": xs[..., h * d:(h + kv) * d].copy(),
+                                                "v": xs[..., (h + kv) * d:].copy()}
+            return {**parts, "pk": k, "pv": v, "seqlens_k": np.array([at + xs.shape[1] - 1], np.int32),
+                    "total": np.array(at + xs.shape[1], np.int32)}
+        want = theirs.run(None, feed(slice(0, n), 20, past[0].copy(), past[1].copy()))
+        got = ours.run(None, feed(slice(0, n), 20, past[0].copy(), past[1].copy()))
+        end = 20 + n
+        worst = max(worst, float(np.abs(got[0] - want[0]).max()), float(np.abs(got[1][:, :, :end] - want[1][:, :, :end]).max()))
+        assert np.array_equal(got[2][:, :, :end], want[2][:, :, :end])
+        k, v, rows = past[0].copy(), past[1].copy(), []
+        for i in range(n):
+            out, k, v = ours.run(None, feed(slice(i, i + 1), 20 + i, k, v))
+            rows.append(out)
+        assert np.array_equal(np.concatenate(rows, 1), got[0]) and np.array_equal(k, got[1]), (h, kv, d, window, packed)
     return worst
 
 
