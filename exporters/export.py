@@ -128,8 +128,8 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
     ``rlxrt.backends.compile``. Validation against PyTorch needs torch and transformers; a fused export
     without them records that it was not validated. ``with_hidden_states`` adds the last hidden state (the
     LM head's input) as output ``hidden_states``, for draft heads that read it (``MtpHead``).
-    ``int4_compute="int8"`` computes an int4 graph with int8 activations: faster, for plain decoding or a
-    draft only (``fused.INT4_INT8``). int4 from a GGUF keeps the file's own Q4_0/Q4_1/Q8_0 blocks
+    ``int4_compute="int8"`` computes an int4 graph with int8 activations (``fused.INT4_INT8``); ``quantize="int8"``
+    makes a fused graph of 8-bit blocks computed so (``fused.INT8``; a portable graph gets dynamic int8). int4 from a GGUF keeps the file's own Q4_0/Q4_1/Q8_0 blocks
     (``gguf_blocks``). ``greedy_head`` (None: on for fp32 fused graphs) adds input ``greedy``
     and output ``next_ids`` (``greedy_head.py``; ``greedy_candidates`` rows checked exactly, default 128).
     """
@@ -160,7 +160,7 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
             if gguf is not None and variant == "int4":  # the GGUF's own 4-bit blocks, not quantised twice
                 blocks = steps.run("blocks", gguf_blocks.matched, gguf, weights, config)
             spec = steps.run("build", build_graph, config, weights, final / GRAPH, capacity=max_context,
-                             with_hidden=with_hidden_states, quantize="int4" if variant == "int4" else None,
+                             with_hidden=with_hidden_states, quantize=variant if variant in ("int4", "int8") else None,
                              dtype="float16" if variant == "float16" else "float32", int4_compute=int4_compute,
                              greedy_head=greedy_head, greedy_candidates=greedy_candidates, blocks=blocks)
             del weights, blocks
@@ -208,10 +208,7 @@ def _graph_kind(graph: str | None, config: dict, variant: str, max_context: int 
         raise ExportError(f"{why_not}; export with --graph portable")
     if variant == "int4" and (graph == "portable" or why_not):
         raise ExportError(f"int4 (MatMulNBits) is built into the fused graph only; {why_not or 'drop --graph portable'}")
-    if graph == "fused" and variant not in ("float32", "float16", "int4"):
-        raise ExportError(f"the fused graph is fp32, fp16 or int4 (asked for {variant}); drop --quantize int8 "
-                          "or pass --graph portable")
-    kind = graph or ("fused" if not why_not and variant in ("float32", "float16", "int4") else "portable")
+    kind = graph or ("portable" if why_not else "fused")
     if max_context is not None and kind != "fused":
         raise ExportError("--max-context sets the KV buffer of a fused graph; a portable graph has none "
                           "(drop it, or pass --graph fused)")

@@ -139,13 +139,15 @@ class Session:
         self.manifest = self.target.manifest
         if speculator is not None and (self.manifest.quantization or {}).get("speculation") is False \
                 and not graph.rows_exact:
+            q = self.manifest.quantization
+            refit = "--int4-compute fp32" if q.get("bits", 4) == 4 else "--quantize int4 (fp32 compute) or in float32"
             raise GenerationError(
-                f"{graph.path.parent} is an int4 graph computed with int8 activations "
-                f"(accuracy level {self.manifest.quantization.get('accuracy_level')}) on ONNX Runtime's kernels "
+                f"{graph.path.parent} is an int{q.get('bits', 4)} graph computed with int8 activations "
+                f"(accuracy level {q.get('accuracy_level')}) on ONNX Runtime's kernels "
                 f"(rlxrt's: {graph.cpu_kernels}): there its (k+1)-row verification differs from one-row steps, so "
                 "speculative output would not equal plain output; decode it without a speculator, compile it with "
                 "cpu_kernels = rlxrt (whose kernels compute a row the same in both), or export the target with "
-                "--int4-compute fp32 to speculate")
+                f"{refit} to speculate")
         self.codec = codec_for(graph)
         self._graph = graph
         self._chat: ChatTemplate | None = None

@@ -127,7 +127,7 @@ def test_a_request_up_to_the_capacity_and_a_clear_error_past_it(exported, tmp_pa
 @pytest.mark.parametrize("kwargs, words", [
     ({"graph": "fused", "family": "gpt2"}, "covers llama"),
     ({"graph": "fused", "family": "llama", "hidden": 32}, "multiple of 16"),
-    ({"graph": "fused", "family": "llama", "quantize": "int8"}, "fp32, fp16 or int4"),
+    ({"graph": "fused", "family": "llama", "quantize": "int8", "dtype": "fp16"}, "starts from fp32 weights"),
     ({"graph": "portable", "family": "llama", "max_context": 64}, "--max-context"),
     ({"family": "llama", "max_context": 10 ** 6}, "outside 1..256"),
     ({"graph": "tiny", "family": "llama"}, "not a graph kind"),
@@ -215,6 +215,39 @@ def test_int4_with_int8_compute_decodes_plainly_and_drafts_but_is_never_verified
     assert g.token_ids == plain and g.stats.drafted > 0
     with pytest.raises(ExportError, match="int8 only with quantize int4"):
         rlxrt.export(src, tmp_path / "bad", int4_compute="int8")
+
+
+def test_an_int8_fused_graph_drafts_exactly_and_is_verified_only_on_rlxrts_kernels(exported, tmp_path):
+    """--quantize int8 on a Llama-style model: a fused graph of 8-bit blocks (zero point 128) computed with int8
+    activations, validated, a quarter of the float32 weights' bytes. As a draft for the float32 target it keeps
+    greedy speculation equal to plain greedy on both kernel sets; as a target it speculates exactly on rlxrt's
+    kernels (rows_exact) and is refused a speculator on ONNX Runtime's, with the fix named."""
+    import onnx
+
+    src = exported.source("llama", seed=4, init=0.02)
+    q8 = tmp_path / "q8"
+    m = rlxrt.export(src, q8, quantize="int8").manifest
+    assert m.graph_kind == "fused" and m.dtype == "int8" and m.validation["passed"]
+    assert m.quantization["bits"] == 8 and m.quantization["accuracy_level"] == 4
+    nodes = [n for n in onnx.load(str(q8 / "model.onnx")).graph.node if n.op_type == "MatMulNBits"]
+    assert nodes and {a.i for n in nodes for a in n.attribute if a.name == "bits"} == {8}
+    fp32 = exported("llama", seed=4, init=0.02)
+    size = lambda d: sum(f.stat().st_size for f in d.iterdir() if f.name.startswith("model.onnx"))
+    assert size(q8) < 0.45 * size(fp32)
+    plain = Session(fp32, None, CFG).generate(PROMPT, max_new_tokens=30, ignore_eos=True).token_ids
+    for mode in ("ort", "rlxrt"):
+        cfg = Config(intra_op_threads=1, cache=False, cpu_kernels=mode)
+        for k in (1, 3, 8):
+            got = Session(fp32, DraftModel(q8, cfg), cfg, k=k).generate(PROMPT, max_new_tokens=30, ignore_eos=True)
+            assert got.token_ids == plain and got.stats.accepted > 0, (mode, k)
+    on_rlxrt = Config(intra_op_threads=1, cache=False, cpu_kernels="rlxrt")
+    own = Session(q8, None, on_rlxrt).generate(PROMPT, max_new_tokens=30, ignore_eos=True).token_ids
+    for spec in (PromptLookup(), DraftModel(fp32, on_rlxrt)):
+        assert Session(q8, spec, on_rlxrt, k=3).generate(PROMPT, max_new_tokens=30, ignore_eos=True).token_ids == own
+    with pytest.raises(GenerationError, match="int8 graph computed with int8 activations.*--quantize int4"):
+        Session(q8, PromptLookup(), Config(intra_op_threads=1, cache=False, cpu_kernels="ort"))
+    portable = rlxrt.export(src, tmp_path / "p8", quantize="int8", graph="portable").manifest
+    assert portable.graph_kind == "portable" and portable.quantization is None
 
 
 @pytest.mark.parametrize("kwargs, words", [({"quantize": "int4", "graph": "portable"}, "fused graph only"),

@@ -13,14 +13,14 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32
     """Export a Hugging Face causal LM (local directory or hub id) to an rlxrt model directory.
 
     Returns ``rlxrt.exporters.ExportResult`` (path, manifest, seconds per step).
-    ``dtype`` is fp32 or fp16; ``quantize="int8"`` applies dynamic int8
-    quantisation. Validation against PyTorch runs unless ``validate=False``.
+    ``dtype`` is fp32 or fp16; ``quantize="int8"`` stores a fused graph's weights as 8-bit blocks computed with
+    int8 activations (for drafts), a portable graph's as dynamic int8. Validation against PyTorch runs unless ``validate=False``.
     ``with_hidden_states`` adds the last hidden state as an output (for ``MtpHead``).
     ``graph`` is ``fused`` (rlxrt's own graph with fused attention and a KV buffer of ``max_context``
     positions; the default for llama, mistral, qwen2 and qwen3 in fp32, built without torch) or ``portable``
     (optimum's graph). The portable path needs ``pip install 'rlxrt[export]'``. ``int4_compute="int8"``
-    (with ``quantize="int4"``) computes with int8 activations: faster plain decoding, but a Session refuses
-    to speculate over such a target (drafts may use it). ``greedy_head`` (default: on for fp32 fused graphs)
+    (with ``quantize="int4"``) computes with int8 activations: faster plain decoding; a Session speculates
+    over such a target where rlxrt's CPU kernels run it (rows_exact) and refuses elsewhere (drafts may use it). ``greedy_head`` (default: on for fp32 fused graphs)
     adds the exact argmax through int8 candidates that greedy decoding reads instead of the logits
     (``rlxrt.exporters.greedy_head``); False leaves it out. ``greedy_candidates`` (default 128) is how many
     rows it computes exactly: fewer cost less and send more rows to the full Gemm.
