@@ -6,16 +6,17 @@
  *          dequantised in float32 (exact: code - 8 is a small integer, then one rounding) and multiplied in
  *          float32, as MatMulNBits does at accuracy level 0.
  *
- * One variant per vector width V (floats): a panel is handled as strips of 2V columns, a chunk of up to 6
- * rows at a time with 2 accumulators a row (12 accumulators, 2 weight vectors and a broadcast fit the 16
- * registers of AVX2 and SSE). A row gets a[r, k] * W[k, strip] added for k = 0 .. K-1 in order whatever chunk
+ * One variant per vector width V (floats): a panel is handled as strips of 2V columns, a chunk of up to
+ * CHUNK rows at a time with 2 accumulators a row: 6 rows where there are 16 vector registers (AVX2, SSE: 12
+ * accumulators, 2 weight vectors and a broadcast), 12 with AVX-512's 32, so that a verification of up to 12
+ * rows reads each weight strip once and never leaves a lone row to a latency-bound pass of its own. A row gets a[r, k] * W[k, strip] added for k = 0 .. K-1 in order whatever chunk
  * it falls in, so its output is bitwise the same alone or among other rows.
  */
 #define PANEL 32
-#define CHUNK 6
+#define CHUNK 12 /* the most rows of any variant */
 #define AI static inline __attribute__((always_inline))
 
-#define VARIANT(NAME, V, TARGET)                                                                             \
+#define VARIANT(NAME, V, TARGET, ROWS)                                                                             \
   typedef float NAME##_vec __attribute__((vector_size(V * 4)));                                              \
   typedef int32_t NAME##_ivec __attribute__((vector_size(V * 4)));                                           \
   typedef uint8_t NAME##_bytes __attribute__((vector_size(V)));                                              \
@@ -76,8 +77,8 @@
     float tail[CHUNK * PANEL];                                                                               \
     for (int64_t p = first; p < last; p++) {                                                                 \
       int64_t col = p * PANEL, width = N - col < PANEL ? N - col : PANEL;                                    \
-      for (int64_t m = 0; m < M; m += CHUNK) {                                                               \
-        int rows = (int)(M - m < CHUNK ? M - m : CHUNK);                                                     \
+      for (int64_t m = 0; m < M; m += ROWS) {                                                                \
+        int rows = (int)(M - m < ROWS ? M - m : ROWS);                                                       \
         float *out = width == PANEL ? y + m * N + col : tail;                                                \
         int64_t ldy = width == PANEL ? N : PANEL;                                                            \
         const float *am = a + m * K;                                                                         \
@@ -91,7 +92,13 @@
               case 3: NAME##_q4rows(3, am, c, s, strip, K, out + strip, ldy); break;                         \
               case 4: NAME##_q4rows(4, am, c, s, strip, K, out + strip, ldy); break;                         \
               case 5: NAME##_q4rows(5, am, c, s, strip, K, out + strip, ldy); break;                         \
-              default: NAME##_q4rows(6, am, c, s, strip, K, out + strip, ldy); break;                        \
+              case 6: NAME##_q4rows(6, am, c, s, strip, K, out + strip, ldy); break;                         \
+              case 7: NAME##_q4rows(7, am, c, s, strip, K, out + strip, ldy); break;                         \
+              case 8: NAME##_q4rows(8, am, c, s, strip, K, out + strip, ldy); break;                         \
+              case 9: NAME##_q4rows(9, am, c, s, strip, K, out + strip, ldy); break;                         \
+              case 10: NAME##_q4rows(10, am, c, s, strip, K, out + strip, ldy); break;                       \
+              case 11: NAME##_q4rows(11, am, c, s, strip, K, out + strip, ldy); break;                       \
+              default: NAME##_q4rows(ROWS, am, c, s, strip, K, out + strip, ldy); break;                     \
             }                                                                                                \
           } else {                                                                                           \
             const float *ws = w + p * K * PANEL + strip;                                                     \
@@ -101,7 +108,13 @@
               case 3: NAME##_rows(3, am, ws, K, out + strip, ldy); break;                                    \
               case 4: NAME##_rows(4, am, ws, K, out + strip, ldy); break;                                    \
               case 5: NAME##_rows(5, am, ws, K, out + strip, ldy); break;                                    \
-              default: NAME##_rows(6, am, ws, K, out + strip, ldy); break;                                   \
+              case 6: NAME##_rows(6, am, ws, K, out + strip, ldy); break;                                    \
+              case 7: NAME##_rows(7, am, ws, K, out + strip, ldy); break;                                    \
+              case 8: NAME##_rows(8, am, ws, K, out + strip, ldy); break;                                    \
+              case 9: NAME##_rows(9, am, ws, K, out + strip, ldy); break;                                    \
+              case 10: NAME##_rows(10, am, ws, K, out + strip, ldy); break;                                  \
+              case 11: NAME##_rows(11, am, ws, K, out + strip, ldy); break;                                  \
+              default: NAME##_rows(ROWS, am, ws, K, out + strip, ldy); break;                                \
             }                                                                                                \
           }                                                                                                  \
         }                                                                                                    \
@@ -115,10 +128,10 @@
 typedef void (*PanelsFn)(const float *, const float *, const uint8_t *, const float *, float *, int64_t, int64_t,
                          int64_t, int64_t, int64_t);
 
-VARIANT(generic, 4, )
+VARIANT(generic, 4, , 6)
 #if defined(__x86_64__) && defined(__GNUC__)
-VARIANT(avx2, 8, __attribute__((target("avx2,fma"))))
-VARIANT(avx512, 16, __attribute__((target("avx512f,avx512bw,fma"))))
+VARIANT(avx2, 8, __attribute__((target("avx2,fma"))), 6)
+VARIANT(avx512, 16, __attribute__((target("avx512f,avx512bw,fma"))), 12)
 #endif
 
 typedef struct { PanelsFn panels; const char *name; } Variant;
