@@ -7,7 +7,8 @@
  * New token i of S sits at position p = seqlens_k + 1 - S + i. Its key (rotated) and value are written at p;
  * then for each query head h (kv head h / (H / KV)) and row i, over the keys j = lo .. p (lo = p - window + 1
  * with a window, else 0), in this order:
- *     s_j = scale * q_h . k_j    (a 16-lane dot product, its lanes summed in a fixed tree)
+ *     s_j = scale * q_h . k_j    (generic: a 16-lane dot product, its lanes summed in a fixed tree; AVX-512: 16
+ *                                keys a lane each, one fused multiply-add a dimension, in order)
  *     m = max s_j,  e_j = exp(s_j - m),  z = sum e_j,  out = (sum e_j * v_j) / z
  * Rotary (rotate-half): x'[d] = x[d] cos - x[d + D/2] sin, x'[d + D/2] = x[d + D/2] cos + x[d] sin.
  */
@@ -197,35 +198,71 @@ ATT_VARIANT(att_generic, , generic_scores)
 #include <immintrin.h>
 #define AVX512 __attribute__((target("avx512f,fma")))
 
-/* the same dot products for up to 4 rows at a time, each key loaded once: a row's 16 lanes are summed by the
- * same adds whatever its slot and companions ((l + l+2) + (l+1 + l+3) within each 128-bit lane, then the four
- * lanes pairwise), so its scores do not depend on the other rows */
-AVX512 static void avx512_scores(const Attention *t, const float *keys, int rows, const float **q, const int64_t *lo,
-                                 const int64_t *hi, float **scores) {
-  const float *qs[ATT_ROWS];
+/* the 16 x 16 floats in r transposed in registers: r[d] lane i <- r[i] lane d */
+AVX512 AI void transpose16(__m512 *r) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+    __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int i = 0; i < 4; i++) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; i++) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+/* scores of R rows (R a constant where inlined) for 16 keys at a time, one key a lane: each block of 16 keys
+ * by 16 dimensions is loaded once and transposed, then every row adds q[d] * key[d] over d = 0 .. D-1 in order
+ * (one fused multiply-add per dimension), so a key's score does not depend on its lane nor on the other rows */
+AVX512 AI void avx512_scores_rows(int R, const Attention *t, const float *keys, const float **q, const int64_t *lo,
+                                  const int64_t *hi, float **scores) {
   int64_t first = lo[0], last = hi[0];
-  for (int s = 0; s < ATT_ROWS; s++) qs[s] = q[s < rows ? s : 0];
-  for (int s = 1; s < rows; s++) {
+  for (int s = 1; s < R; s++) {
     first = lo[s] < first ? lo[s] : first;
     last = hi[s] > last ? hi[s] : last;
   }
-  for (int64_t j = first; j <= last; j++) {
-    __m512 a[ATT_ROWS];
-    for (int s = 0; s < ATT_ROWS; s++) a[s] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < t->D; d += ATT_LANES) {
-      __m512 k = _mm512_loadu_ps(keys + j * t->D + d);
-      for (int s = 0; s < ATT_ROWS; s++) a[s] = _mm512_fmadd_ps(_mm512_loadu_ps(qs[s] + d), k, a[s]);
+  __m512 scale = _mm512_set1_ps(t->scale);
+  for (int64_t j0 = first; j0 <= last; j0 += ATT_LANES) {
+    int n = last - j0 + 1 < ATT_LANES ? (int)(last - j0 + 1) : ATT_LANES;
+    __m512 acc[ATT_ROWS];
+    for (int s = 0; s < R; s++) acc[s] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < t->D; c += ATT_LANES) {
+      __m512 k[ATT_LANES];
+      for (int i = 0; i < ATT_LANES; i++) k[i] = i < n ? _mm512_loadu_ps(keys + (j0 + i) * t->D + c) : _mm512_setzero_ps();
+      transpose16(k);
+      for (int d = 0; d < ATT_LANES; d++)
+        for (int s = 0; s < R; s++) acc[s] = _mm512_fmadd_ps(_mm512_set1_ps(q[s][c + d]), k[d], acc[s]);
     }
-    __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
-    __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
-    __m512 quad = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
-    __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(quad),
-                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(quad), 1)));
-    __m128 sums = _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
-    float out[4];
-    _mm_storeu_ps(out, sums);
-    for (int s = 0; s < rows; s++)
-      if (j >= lo[s] && j <= hi[s]) scores[s][j - lo[s]] = t->scale * out[s];
+    for (int s = 0; s < R; s++) { /* the lanes of the row's own keys; rows are in token order, so j0 >= lo[0] */
+      int64_t from = lo[s] - j0 > 0 ? lo[s] - j0 : 0, to = hi[s] - j0 < ATT_LANES - 1 ? hi[s] - j0 : ATT_LANES - 1;
+      if (from > to) continue;
+      __mmask16 lanes = (__mmask16)((((uint32_t)2 << to) - 1) & ~(((uint32_t)1 << from) - 1));
+      _mm512_mask_storeu_ps(scores[s] + j0 - lo[s], lanes, _mm512_mul_ps(scale, acc[s]));
+    }
+  }
+}
+
+AVX512 static void avx512_scores(const Attention *t, const float *keys, int rows, const float **q, const int64_t *lo,
+                                 const int64_t *hi, float **scores) {
+  switch (rows) { /* constant row counts: the accumulators stay in registers */
+    case 1: avx512_scores_rows(1, t, keys, q, lo, hi, scores); break;
+    case 2: avx512_scores_rows(2, t, keys, q, lo, hi, scores); break;
+    case 3: avx512_scores_rows(3, t, keys, q, lo, hi, scores); break;
+    default: avx512_scores_rows(4, t, keys, q, lo, hi, scores); break;
   }
 }
 
