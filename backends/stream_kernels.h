@@ -14,6 +14,11 @@
  */
 #define PANEL 32
 #define CHUNK 12 /* the most rows of any variant */
+#define WIDE 4 /* strips of 2V columns a lone row takes at once */
+#define WIDE_MIN_K 256
+/* ... where K is at least this: a lone row over 4 strips at once took 0.94-0.97x the time of one strip at a
+ * time for K >= 256 (AVX-512, Zen 4, one thread: 256 x 384 .. 256 x 4096, 688 x 256) and 1.03-1.04x for
+ * K = 128 (the shipped draft's 128 x 4096 output layer), measured side by side in one process */
 #define AI static inline __attribute__((always_inline))
 
 #define VARIANT(NAME, V, TARGET, ROWS)                                                                             \
@@ -53,6 +58,45 @@
     }                                                                                                        \
     NAME##_store(R, lo, hi, y, ldy);                                                                         \
   }                                                                                                          \
+  /* one row times S strips of 2V columns at once, strip s at ws[s] into y[s]: the 2 accumulators of one     \
+   * strip alone are too few to hide the FMA latency. Each column still sums k = 0 .. K-1 in order, so the   \
+   * row comes out bitwise as in a chunk of rows. */                                                         \
+  TARGET AI void NAME##_wide(int S, const float *a, const float *const *ws, int64_t K, float *const *y) {    \
+    NAME##_vec acc[WIDE][2];                                                                                 \
+    for (int s = 0; s < S; s++) acc[s][0] = acc[s][1] = (NAME##_vec){0};                                     \
+    for (int64_t k = 0; k < K; k++)                                                                          \
+      for (int s = 0; s < S; s++) {                                                                          \
+        acc[s][0] += a[k] * NAME##_load(ws[s] + PANEL * k);                                                  \
+        acc[s][1] += a[k] * NAME##_load(ws[s] + PANEL * k + V);                                              \
+      }                                                                                                      \
+    for (int s = 0; s < S; s++) {                                                                            \
+      memcpy(y[s], &acc[s][0], sizeof acc[s][0]);                                                            \
+      memcpy(y[s] + V, &acc[s][1], sizeof acc[s][1]);                                                        \
+    }                                                                                                        \
+  }                                                                                                          \
+  /* the full float panels of [first, last) for one row, WIDE strips at a time; returns the first panel left \
+   * (a partial last one, or last). (Two rows already have 4 accumulators a strip: measured slower so.) */    \
+  TARGET static int64_t NAME##_wide_panels(const float *a, const float *w, float *y, int64_t K, int64_t N,   \
+                                           int64_t first, int64_t last) {                                    \
+    int64_t full = N / PANEL < last ? N / PANEL : last;                                                      \
+    const float *ws[WIDE];                                                                                   \
+    float *ys[WIDE];                                                                                         \
+    int n = 0;                                                                                               \
+    for (int64_t p = first; p < full; p++)                                                                   \
+      for (int strip = 0; strip < PANEL; strip += 2 * V) {                                                   \
+        ws[n] = w + p * K * PANEL + strip;                                                                   \
+        ys[n] = y + p * PANEL + strip;                                                                       \
+        if (++n < WIDE && !(p == full - 1 && strip + 2 * V == PANEL)) continue;                              \
+        switch (n) { /* constant counts: the accumulators stay in registers */                               \
+          case 1: NAME##_wide(1, a, ws, K, ys); break;                                                       \
+          case 2: NAME##_wide(2, a, ws, K, ys); break;                                                       \
+          case 3: NAME##_wide(3, a, ws, K, ys); break;                                                       \
+          default: NAME##_wide(WIDE, a, ws, K, ys); break;                                                   \
+        }                                                                                                    \
+        n = 0;                                                                                               \
+      }                                                                                                      \
+    return first > full ? first : full;                                                                      \
+  }                                                                                                          \
   /* the same for strip ``col`` of an int4 panel: codes (row stride 16), scales (block stride PANEL) */     \
   TARGET AI void NAME##_q4rows(int R, const float *a, const uint8_t *c, const float *s, int col, int64_t K,  \
                                float *y, int64_t ldy) {                                                      \
@@ -75,6 +119,7 @@
   TARGET static void NAME##_panels(const float *a, const float *w, const uint8_t *codes, const float *scales, \
                                    float *y, int64_t M, int64_t K, int64_t N, int64_t first, int64_t last) { \
     float tail[CHUNK * PANEL];                                                                               \
+    if (!codes && M == 1 && K >= WIDE_MIN_K) first = NAME##_wide_panels(a, w, y, K, N, first, last);        \
     for (int64_t p = first; p < last; p++) {                                                                 \
       int64_t col = p * PANEL, width = N - col < PANEL ? N - col : PANEL;                                    \
       for (int64_t m = 0; m < M; m += ROWS) {                                                                \

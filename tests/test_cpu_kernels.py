@@ -14,8 +14,9 @@ from rlxrt import Config, ConfigError, ProviderError, compile, load_config
 from rlxrt.backends import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="the kernel library was not built")
-SHAPES = [(70, 100), (64, 32), (5, 1), (33, 64), (256, 1000)]
-"""(K, N): N below, at and past a 32-column panel, a single column, odd K."""
+SHAPES = [(70, 100), (64, 32), (5, 1), (33, 64), (256, 1000), (300, 200), (256, 96)]
+"""(K, N): N below, at and past a 32-column panel, a single column, odd K; K >= 256 (a lone row takes 4 strips
+at once there) with and without a partial last panel."""
 Q4_SHAPES = [(64, 100), (32, 1), (576, 70), (96, 32)]
 """(K, N) of int4 weights: K a multiple of the 32-row block."""
 
