@@ -53,6 +53,28 @@ def test_bench_of_a_target_with_a_greedy_head_reports_it(exported, tmp_path):
 
 
 @pytest.mark.export
+def test_bench_runs_another_draft_beside_the_draft(exported, tmp_path):
+    """--other-draft: the same draft in int8 gets rows of its own in the same loop, named by its dtype (its
+    exactness: tests/test_fused.py); without --draft it is a usage error."""
+    from rlxrt import UsageError
+    from rlxrt.app.bench import run_bench
+
+    import rlxrt as api
+
+    q8 = tmp_path / "q8"
+    api.export(exported.source("llama", seed=1), q8, quantize="int8")
+    prompts = ["def add(a, b):\n    return", "for i in range(3):\n"]
+    res = run_bench(exported("llama"), exported("llama", seed=1), prompts, max_new_tokens=8, repeats=1,
+                    temperatures=(0.0,), ks=(2,), progress=False, other_draft=q8)
+    rows = res["temperatures"]["0.0"]
+    assert {"draft k=2", "int8 draft k=2"} <= set(rows) and rows["int8 draft k=2"]["tokens_per_s"] > 0
+    assert res["config"]["other_draft"] == "q8" and len(res["config"]["cpu_kernels"]) == 3
+    with pytest.raises(UsageError, match="pass --draft"):
+        run_bench(exported("llama"), None, prompts, repeats=1, temperatures=(0.0,), ks=(2,), progress=False,
+                  other_draft=q8)
+
+
+@pytest.mark.export
 def test_bench_chat_sends_user_turns_and_stops_at_end_of_turn(exported, tmp_path):
     from test_chat import CHATML
 

@@ -126,12 +126,14 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
               repeats: int = 3, temperatures=(0.0, 0.7), ks=(2, 4, 6), config=None,
               hf_dirs: tuple[Path, Path] | None = None, progress: bool = True,
               head_dir: Path | list[Path] | None = None, oga_dirs: tuple[Path, Path | None] | None = None,
-              other_target: Path | None = None, chat: bool = False,
+              other_target: Path | None = None, other_draft: Path | None = None, chat: bool = False,
               min_prob: float | None = None) -> dict[str, Any]:
     """``config`` (an ``rlxrt.Config``; default: 1 intra-op thread on the CPU) is used for every graph.
     ``hf_dirs`` adds transformers on the same weights, ``oga_dirs`` (target, draft) onnxruntime-genai's model
     directories of the same weights (greedy rows only: plain, draft, n-gram); ``other_target`` another export
-    of the target (e.g. the portable graph of the same weights) whose plain decoding runs as one more row.
+    of the target (e.g. the portable graph of the same weights) whose plain decoding runs as one more row;
+    ``other_draft`` another draft (e.g. the same draft in int8) whose rows ``LABEL draft k=K`` run beside the
+    draft's, LABEL its dtype where that differs from the draft's, else its directory's name.
     ``min_prob`` runs every draft and head row once more with that ``min_prob`` (rows named ``... p>=P``).
     ``chat`` sends each prompt as a user message through the target's chat template, and a reply ends at the
     end-of-turn token (times are per generated token); otherwise every request makes ``max_new_tokens``."""
@@ -159,6 +161,15 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
         specs += [Spec(f"draft k={k}{suffix(p)}", lambda p=p: DraftModel(draft_graph, min_prob=p), k=k)
                   for p in probs_ for k in ks]
         specs.append(Spec("draft adaptive", lambda: DraftModel(draft_graph), k=max(ks) // 2 or 1, adaptive=True))
+    if other_draft is not None:
+        from rlxrt.errors import UsageError
+
+        if draft_graph is None:
+            raise UsageError("--other-draft runs beside a draft; pass --draft too")
+        graphs.append(compile(other_draft, config))
+        dtype = graphs[-1].manifest.dtype
+        label = dtype if dtype != draft_graph.manifest.dtype else Path(other_draft).name
+        specs += [Spec(f"{label} draft k={k}", lambda g=graphs[-1]: DraftModel(g), k=k) for k in ks]
     heads = [] if head_dir is None else [Path(head_dir)] if isinstance(head_dir, (str, Path)) else list(head_dir)
     for hd, label in zip(heads, head_labels(heads)):  # several heads: rows named after each head's directory
         head_graph = compile(hd, config)
@@ -211,6 +222,7 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
     # directory names only: results are shared, and carry no path of the machine that made them
     results: dict[str, Any] = {"config": {"target": Path(target_dir).name,
                                           "draft": Path(draft_dir).name if draft_dir else None,
+                                          "other_draft": Path(other_draft).name if other_draft else None,
                                           "head": ",".join(h.name for h in heads) or None,
                                           "prompts": len(prompts), "max_new_tokens": max_new_tokens,
                                           "repeats": repeats, "threads": threads,

@@ -307,6 +307,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     res = run_bench(target, draft, prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                     temperatures=temps, ks=ks, config=config, hf_dirs=hf, progress=not args.quiet, head_dir=head,
                     oga_dirs=oga, other_target=Path(args.other_target) if args.other_target else None,
+                    other_draft=Path(args.other_draft) if args.other_draft else None,
                     chat=args.chat, min_prob=args.min_draft_prob)
     js, png = write_outputs(res, Path(args.out))
     print(format_table(res))
@@ -409,6 +410,8 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("--oga-draft", help="onnxruntime-genai's directory of the draft: adds its draft-model row")
     p.add_argument("--other-target", help="another export of the same target (e.g. --graph portable): adds its "
                                           "plain row, measured in the same loop")
+    p.add_argument("--other-draft", help="another export of the draft (e.g. --quantize int8): adds its draft "
+                                         "rows, measured in the same loop")
     p.add_argument("--head", nargs="+", help="MTP head(s) for the target (default: the shipped head with the "
                                              "shipped pair); several heads run side by side")
     p.add_argument("--no-head", action="store_true", help="skip the MTP head rows")
