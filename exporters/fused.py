@@ -89,7 +89,7 @@ INT8 = {"method": "MatMulNBits", "bits": 8, "block_size": 32, "symmetric": True,
 (code = round(w / scale) + 128, scale = max |w| of the block / 127), blocks of 32, computed with int8
 activations (accuracy level 4) — a quarter of float32's bytes, about 1e-2 of the logits' scale away from it.
 Made for drafts: a draft's numbers never touch the target's exactness, and the shipped 1-layer draft in 8 bits
-proposes what it proposes in float32 (argmax agreement 1.00 at validation) at about half the step time."""
+proposes what it proposes in float32 (argmax agreement 1.00 at validation) at 0.6 of the step time."""
 
 
 def check_int4_compute(int4_compute: str, int4: bool) -> None:
