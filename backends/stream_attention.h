@@ -242,7 +242,8 @@ AVX512 AI void avx512_scores_rows(int R, const Attention *t, const float *keys, 
     for (int s = 0; s < R; s++) acc[s] = _mm512_setzero_ps();
     for (int64_t c = 0; c < t->D; c += ATT_LANES) {
       __m512 k[ATT_LANES];
-      for (int i = 0; i < ATT_LANES; i++) k[i] = i < n ? _mm512_loadu_ps(keys + (j0 + i) * t->D + c) : _mm512_setzero_ps();
+      for (int i = 0; i < ATT_LANES; i++)
+        k[i] = i < n ? _mm512_loadu_ps(keys + (j0 + i) * t->D + c) : _mm512_setzero_ps();
       transpose16(k);
       for (int d = 0; d < ATT_LANES; d++)
         for (int s = 0; s < R; s++) acc[s] = _mm512_fmadd_ps(_mm512_set1_ps(q[s][c + d]), k[d], acc[s]);

@@ -9,8 +9,9 @@
  * One variant per vector width V (floats): a panel is handled as strips of 2V columns, a chunk of up to
  * CHUNK rows at a time with 2 accumulators a row: 6 rows where there are 16 vector registers (AVX2, SSE: 12
  * accumulators, 2 weight vectors and a broadcast), 12 with AVX-512's 32, so that a verification of up to 12
- * rows reads each weight strip once and never leaves a lone row to a latency-bound pass of its own. A row gets a[r, k] * W[k, strip] added for k = 0 .. K-1 in order whatever chunk
- * it falls in, so its output is bitwise the same alone or among other rows.
+ * rows reads each weight strip once and never leaves a lone row to a latency-bound pass of its own. A row
+ * gets a[r, k] * W[k, strip] added for k = 0 .. K-1 in order whatever chunk it falls in, so its output is
+ * bitwise the same alone or among other rows.
  */
 #define PANEL 32
 #define CHUNK 12 /* the most rows of any variant */

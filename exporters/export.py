@@ -128,10 +128,11 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
     ``rlxrt.backends.compile``. Validation against PyTorch needs torch and transformers; a fused export
     without them records that it was not validated. ``with_hidden_states`` adds the last hidden state (the
     LM head's input) as output ``hidden_states``, for draft heads that read it (``MtpHead``).
-    ``int4_compute="int8"`` computes an int4 graph with int8 activations (``fused.INT4_INT8``); ``quantize="int8"``
-    makes a fused graph of 8-bit blocks computed so (``fused.INT8``; a portable graph gets dynamic int8). int4 from a GGUF keeps the file's own Q4_0/Q4_1/Q8_0 blocks
-    (``gguf_blocks``). ``greedy_head`` (None: on for fp32 fused graphs) adds input ``greedy``
-    and output ``next_ids`` (``greedy_head.py``; ``greedy_candidates`` rows checked exactly, default 128).
+    ``int4_compute="int8"`` computes an int4 graph with int8 activations (``fused.INT4_INT8``);
+    ``quantize="int8"`` makes a fused graph of 8-bit blocks computed so (``fused.INT8``; a portable graph
+    gets dynamic int8). int4 from a GGUF keeps the file's own Q4_0/Q4_1/Q8_0 blocks (``gguf_blocks``).
+    ``greedy_head`` (None: on for fp32 fused graphs) adds input ``greedy`` and output ``next_ids``
+    (``greedy_head.py``; ``greedy_candidates`` rows checked exactly, default 128).
     """
     variant = _variant(dtype, quantize)
     check_int4_compute(int4_compute, variant == "int4")  # before any work

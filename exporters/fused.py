@@ -98,32 +98,31 @@ def check_int4_compute(int4_compute: str, int4: bool) -> None:
                           "quantize int4")
 
 
-def int4_blocks(w: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
-    """MatMulNBits' packed weight [N, blocks, block/2] (uint8, two 4-bit codes a byte, low nibble first) and
-    scales [N * blocks] of ``w`` [K, N]: code = round(w / scale) + 8, scale = max |w| of the block / 7."""
+def _symmetric_blocks(w: np.ndarray, block: int, top: int) -> tuple[np.ndarray, np.ndarray]:
+    """Codes [N, blocks, block] (uint8, zero point top + 1) and scales [N * blocks] of ``w`` [K, N], blocks
+    along K: code = round(w / scale) + top + 1, scale = max |w| of the block / top."""
     k, n = w.shape
     blocks = -(-k // block)
     padded = np.zeros((blocks * block, n), np.float32)
     padded[:k] = w
     wb = padded.T.reshape(n, blocks, block)
-    scale = np.abs(wb).max(-1) / 7.0
+    scale = np.abs(wb).max(-1) / float(top)
     safe = np.where(scale > 0, scale, 1.0)
-    q = (np.clip(np.rint(wb / safe[..., None]), -8, 7) + 8).astype(np.uint8)
-    return q[..., 0::2] | (q[..., 1::2] << 4), scale.astype(np.float32).reshape(-1)
+    q = (np.clip(np.rint(wb / safe[..., None]), -top - 1, top) + top + 1).astype(np.uint8)
+    return q, scale.astype(np.float32).reshape(-1)
+
+
+def int4_blocks(w: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """MatMulNBits' packed weight [N, blocks, block/2] (uint8, two 4-bit codes a byte, low nibble first) and
+    scales [N * blocks] of ``w`` [K, N]: code = round(w / scale) + 8, scale = max |w| of the block / 7."""
+    q, scales = _symmetric_blocks(w, block, 7)
+    return q[..., 0::2] | (q[..., 1::2] << 4), scales
 
 
 def int8_blocks(w: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
     """MatMulNBits' 8-bit weight [N, blocks, block] (uint8, zero point 128) and scales [N * blocks] of ``w``
     [K, N]: code = round(w / scale) + 128, scale = max |w| of the block / 127."""
-    k, n = w.shape
-    blocks = -(-k // block)
-    padded = np.zeros((blocks * block, n), np.float32)
-    padded[:k] = w
-    wb = padded.T.reshape(n, blocks, block)
-    scale = np.abs(wb).max(-1) / 127.0
-    safe = np.where(scale > 0, scale, 1.0)
-    q = (np.clip(np.rint(wb / safe[..., None]), -127, 127) + 128).astype(np.uint8)
-    return q, scale.astype(np.float32).reshape(-1)
+    return _symmetric_blocks(w, block, 127)
 
 
 class Spec:
