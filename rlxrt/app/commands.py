@@ -223,7 +223,7 @@ def _demo_smollm2(args: argparse.Namespace) -> int:
     """The chat demo on SmolLM2-135M-Instruct with the MTP head rlxrt trained for it."""
     from .cli import _config
     from .demo import run_demo
-    from .smollm2 import PROMPTS, SPECULATOR, paths
+    from .smollm2 import DEMO_K, PROMPTS, SPECULATOR, paths
 
     if args.draft or args.prompt_file:
         raise UsageError("--model smollm2 runs the target with its MTP head and its own prompts; drop --draft and "
@@ -242,7 +242,7 @@ def _demo_smollm2(args: argparse.Namespace) -> int:
     if args.prompt_index >= len(PROMPTS):
         raise UsageError(f"--prompt-index {args.prompt_index} is out of range: 0..{len(PROMPTS) - 1}")
     kind = args.speculator or SPECULATOR
-    run_demo(target, None, PROMPTS[args.prompt_index], max_new_tokens=args.max_new_tokens, k=args.k or 2,
+    run_demo(target, None, PROMPTS[args.prompt_index], max_new_tokens=args.max_new_tokens, k=args.k or DEMO_K,
              config=_config(args, intra_op_threads=1), repeats=args.repeats, head=head, chat=True,
              lookup=kind.startswith("lookup+"))
     return 0
@@ -386,7 +386,7 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("--prompt-file", help="a text file, or a JSON list of prompts (default: held-out prompts)")
     p.add_argument("--prompt-index", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("-k", type=int, default=None, help="tokens drafted per round (default: the draft's default, 4)")
+    p.add_argument("-k", type=int, default=None, help="tokens drafted per round (default 4: the draft's default, and the smollm2 demo's)")
     p.add_argument("--speculator", choices=["draft", "mtp", "lookup+draft", "lookup+mtp"],
                    help="what drafts (default: draft with the reference pair, lookup+mtp with smollm2); mtp runs "
                         "the model's committed head; lookup+X: prompt lookup where the text repeats, else X")
