@@ -50,7 +50,7 @@ SPECULATOR = "lookup+mtp"
 DEMO_K = 4
 """The demo's draft length. On rlxrt's CPU kernels a 5-row verification costs 1.03 one-row steps, and the
 16-request chat bench gave lookup+mtp 1.86x, 1.88x, 1.90x at k=4 against 1.78x, 1.81x, 1.81x at k=2 in three
-runs (results/cpu-kernels/smollm2-chat-head*-new-kernels.json); on ONNX Runtime's kernels k=2 had won."""
+runs (results/cpu-kernels/smollm2-chat-head*new-kernels*.json); on ONNX Runtime's kernels k=2 had won."""
 BENCH_PROMPTS = PROMPTS + ["Write a Python function that checks whether a string is a palindrome.",
                            "Give three tips for staying focused while studying.",
                            "Write a Python function that counts the words in a text file.",
