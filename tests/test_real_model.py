@@ -184,13 +184,13 @@ def test_smollm2_chat_demo_with_its_committed_head(smollm2, capsys):
     rlxrt/assets/smollm2/head): it binds (same weights hash), drafts from its 8,192 tokens, and the reply
     equals plain greedy decoding."""
     from rlxrt.app.cli import main
-    from rlxrt.app.smollm2 import shipped_head
+    from rlxrt.app.smollm2 import DEMO_K, shipped_head
 
     assert shipped_head() is not None and Manifest.load(shipped_head()).draft_head["draft_vocab"] == 8192
     assert main(["demo", "--model", "smollm2", "--target", str(gguf_export()), "--max-new-tokens", "24",
                  "--repeats", "1", "--prompt-index", "1"]) == 0
     out = capsys.readouterr().out
-    assert "prompt lookup, else MTP head (drafts 8192 tokens), k=2" in out
+    assert f"prompt lookup, else MTP head (drafts 8192 tokens), k={DEMO_K}" in out
     assert "output identical to plain greedy decoding: yes" in out and "rounds drafted by prompt lookup" in out
 
 
