@@ -35,7 +35,7 @@ typedef int32_t att_ivec __attribute__((vector_size(ATT_LANES * 4)));
     memcpy(&floor_b, &floor, sizeof floor);                                                                  \
     xb = (xb & keep) | (floor_b & ~keep);                                                                    \
     memcpy(&lo, &xb, sizeof lo);                                                                             \
-    n = (lo * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* nearest integer: 1.5 * 2^23 */          \
+    n = (lo * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* nearest integer: 1.5 * 2^23 */           \
     r = lo - n * 0.693145751953125f - n * 1.428606765330187e-06f;                                            \
     p = (att_vec){0} + 1.0f / 5040.0f;                                                                       \
     p = p * r + 1.0f / 720.0f;                                                                               \
@@ -62,13 +62,13 @@ typedef int32_t att_ivec __attribute__((vector_size(ATT_LANES * 4)));
 
 /* acc[s][parity] += e_s[j] * v[j] for rows s < R over keys j = from .. to (R a constant where inlined) */
 #define ATT_PV(NAME, TARGET)                                                                                 \
-  TARGET AI void NAME##_pv(int R, const float *v, int64_t D, int64_t from, int64_t to, float *const *e,        \
+  TARGET AI void NAME##_pv(int R, const float *v, int64_t D, int64_t from, int64_t to, float *const *e,      \
                            const int64_t *lo, att_vec (*acc)[2]) {                                           \
     int64_t j = from;                                                                                        \
     if (j <= to && (j & 1)) {                                                                                \
       att_vec x;                                                                                             \
       memcpy(&x, v + j * D, sizeof x);                                                                       \
-      for (int s = 0; s < R; s++) acc[s][1] += e[s][j - lo[s]] * x;                                           \
+      for (int s = 0; s < R; s++) acc[s][1] += e[s][j - lo[s]] * x;                                          \
       j++;                                                                                                   \
     }                                                                                                        \
     for (; j + 1 <= to; j += 2) {                                                                            \
@@ -83,7 +83,7 @@ typedef int32_t att_ivec __attribute__((vector_size(ATT_LANES * 4)));
     if (j <= to) {                                                                                           \
       att_vec x;                                                                                             \
       memcpy(&x, v + j * D, sizeof x);                                                                       \
-      for (int s = 0; s < R; s++) acc[s][0] += e[s][j - lo[s]] * x;                                           \
+      for (int s = 0; s < R; s++) acc[s][0] += e[s][j - lo[s]] * x;                                          \
     }                                                                                                        \
   }
 
@@ -128,7 +128,7 @@ typedef int32_t att_ivec __attribute__((vector_size(ATT_LANES * 4)));
         }                                                                                                    \
         total[s] = tree_sum(sum);                                                                            \
       }                                                                                                      \
-      int shared = shared_lo <= shared_hi; /* keys every row reads (none if windows keep them apart) */        \
+      int shared = shared_lo <= shared_hi; /* keys every row reads (none if windows keep them apart) */      \
       for (int64_t c = 0; c < t->D; c += ATT_LANES) { /* 16 lanes of the values at a time */                 \
         att_vec acc[ATT_ROWS][2];                                                                            \
         const float *v = values + c;                                                                         \

@@ -22,7 +22,7 @@
  * K = 128 (the shipped draft's 128 x 4096 output layer), measured side by side in one process */
 #define AI static inline __attribute__((always_inline))
 
-#define VARIANT(NAME, V, TARGET, ROWS)                                                                             \
+#define VARIANT(NAME, V, TARGET, ROWS)                                                                       \
   typedef float NAME##_vec __attribute__((vector_size(V * 4)));                                              \
   typedef int32_t NAME##_ivec __attribute__((vector_size(V * 4)));                                           \
   typedef uint8_t NAME##_bytes __attribute__((vector_size(V)));                                              \
@@ -76,7 +76,7 @@
     }                                                                                                        \
   }                                                                                                          \
   /* the full float panels of [first, last) for one row, WIDE strips at a time; returns the first panel left \
-   * (a partial last one, or last). (Two rows already have 4 accumulators a strip: measured slower so.) */    \
+   * (a partial last one, or last). (Two rows already have 4 accumulators a strip: measured slower so.) */   \
   TARGET static int64_t NAME##_wide_panels(const float *a, const float *w, float *y, int64_t K, int64_t N,   \
                                            int64_t first, int64_t last) {                                    \
     int64_t full = N / PANEL < last ? N / PANEL : last;                                                      \
@@ -98,7 +98,7 @@
       }                                                                                                      \
     return first > full ? first : full;                                                                      \
   }                                                                                                          \
-  /* the same for strip ``col`` of an int4 panel: codes (row stride 16), scales (block stride PANEL) */     \
+  /* the same for strip ``col`` of an int4 panel: codes (row stride 16), scales (block stride PANEL) */      \
   TARGET AI void NAME##_q4rows(int R, const float *a, const uint8_t *c, const float *s, int col, int64_t K,  \
                                float *y, int64_t ldy) {                                                      \
     NAME##_vec lo[CHUNK], hi[CHUNK];                                                                         \
@@ -120,7 +120,7 @@
   TARGET static void NAME##_panels(const float *a, const float *w, const uint8_t *codes, const float *scales, \
                                    float *y, int64_t M, int64_t K, int64_t N, int64_t first, int64_t last) { \
     float tail[CHUNK * PANEL];                                                                               \
-    if (!codes && M == 1 && K >= WIDE_MIN_K) first = NAME##_wide_panels(a, w, y, K, N, first, last);        \
+    if (!codes && M == 1 && K >= WIDE_MIN_K) first = NAME##_wide_panels(a, w, y, K, N, first, last);         \
     for (int64_t p = first; p < last; p++) {                                                                 \
       int64_t col = p * PANEL, width = N - col < PANEL ? N - col : PANEL;                                    \
       for (int64_t m = 0; m < M; m += ROWS) {                                                                \

@@ -159,16 +159,14 @@ class Spec:
             raise ExportError(f"the fused graph computes in float32 or float16 (without int4), not {dtype!r}")
         self.bits = {"int4": 4, "int8": 8}.get(quantize)
         """MatMulNBits' bits of the MatMul weights (None: float MatMuls)."""
-        self.int4 = self.bits is not None
-        """Whether the MatMul weights are MatMulNBits blocks (4 or 8 bits)."""
         check_int4_compute(int4_compute, self.bits == 4)
         self.quantization = (INT8 if self.bits == 8 else INT4_INT8 if int4_compute == "int8" else INT4) \
-            if self.int4 else None
+            if self.bits else None
         self.dtype = dtype
         """What the graph computes in and keeps its cache in; logits and hidden states leave it as float32."""
         from .greedy_head import choose
 
-        self.greedy_head, self.greedy_candidates = choose(dtype == "float32" and not self.int4, self.vocab,
+        self.greedy_head, self.greedy_candidates = choose(dtype == "float32" and not self.bits, self.vocab,
                                                           self.hidden, greedy_head, greedy_candidates)
         """Input ``greedy`` and output ``next_ids``: the exact argmax through int8 candidates (greedy_head.py);
         by default where the LM head is large enough to pay for it (``greedy_head.MIN_SIZE``)."""
@@ -272,7 +270,7 @@ class Builder(Nodes):
 
     def matmul(self, x: str, w: np.ndarray, out: str) -> str:
         """x @ w for w [K, N]: MatMul, or MatMulNBits over its 4- or 8-bit blocks."""
-        if not self.spec.int4:
+        if not self.spec.bits:
             return self.node("MatMul", [x, self.weight(f"{out}.weight", w)], out)
         packed, scales = (int8_blocks if self.spec.bits == 8 else int4_blocks)(w, INT4["block_size"])
         return self.nbits(x, packed, scales, w.shape[0], out, self.spec.bits)
@@ -286,7 +284,7 @@ class Builder(Nodes):
     def store(self, keys: list[str], b) -> str:
         """How weights ``keys`` (stacked blocks ``b``, or None) go into an int4 graph: "blocks" (the GGUF's
         own), "float32" (8-bit blocks at accuracy level 0) or "int4" (quantised here); recorded in ``stored``."""
-        if not self.spec.int4:
+        if not self.spec.bits:
             return "float"
         how = "int4" if b is None else "blocks" if b.bits == 4 or self.spec.quantization["accuracy_level"] == 4 \
             else "float32"
@@ -379,7 +377,7 @@ class Builder(Nodes):
         s = self.spec
         rows = self.node("Slice", [hidden, self.node("Neg", ["num_logits"], "neg_rows"),
                                    self.const("end", [np.iinfo(np.int64).max]), self.const("axis1", [1])], "rows")
-        if s.int4:  # MatMulNBits takes [1, rows, H]; the lookup keeps its fp32 embedding
+        if s.bits:  # MatMulNBits takes [1, rows, H]; the lookup keeps its fp32 embedding
             name = "model.embed_tokens.weight" if s.tied else "lm_head.weight"
             b = self.blocks.get(name)
             how = self.store([name], b)
@@ -388,7 +386,7 @@ class Builder(Nodes):
             if how == "blocks":
                 return self.gguf_matmul(rows, b, "logits")
         flat = self.node("Reshape", [rows, self.const("flat", [-1, s.hidden])], "rows2d")
-        if s.int4:  # an 8-bit GGUF weight at accuracy level 0: float32, not a coarser int4 copy
+        if s.bits:  # an 8-bit GGUF weight at accuracy level 0: float32, not a coarser int4 copy
             out = self.node("Gemm", [flat, "embed.weight"], "logits2d", transB=1) if s.tied else \
                 self.node("MatMul", [flat, self.weight("lm_head.weight", self.take(name).T)], "logits2d")
             return self.node("Unsqueeze", [out, self.const("axis0", [0])], "logits")
@@ -459,7 +457,7 @@ class Builder(Nodes):
 def fused_layout(spec: Spec, with_hidden: bool) -> dict:
     """The manifest fields of a fused graph."""
     greedy = "greedy" if spec.greedy_head else None
-    return {"dtype": f"int{spec.bits}" if spec.int4 else spec.dtype,
+    return {"dtype": f"int{spec.bits}" if spec.bits else spec.dtype,
             "quantization": dict(spec.quantization) if spec.quantization else None,
             "inputs": {**INPUTS, "greedy": greedy}, "kv_cache": spec.kv_layout(), "state": None,
             "outputs": {"logits": "logits", "hidden_states": "hidden_states" if with_hidden else None,
@@ -478,7 +476,7 @@ def build_graph(config: dict, weights: dict[str, np.ndarray], path: Path, *, cap
     import onnx
 
     spec = Spec(config, capacity, quantize, dtype, int4_compute, greedy_head, greedy_candidates)
-    builder = Builder(spec, weights, blocks if spec.int4 else None)
+    builder = Builder(spec, weights, blocks if spec.bits else None)
     model = builder.build(with_hidden)
     if builder.stored:
         spec.quantization = {**spec.quantization, "gguf": _stored_record(builder.stored)}
