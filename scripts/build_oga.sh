@@ -15,14 +15,14 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/python" -m pip install -q torch==2.13.0   # the CPU wheel; a bare torch pulls a CUDA build
   "$VENV/bin/python" -m pip install -q "transformers>=5" onnx-ir onnxscript onnxruntime-genai
 fi
+precision=${PRECISION:-fp32}
+extra=()
+if [ "$precision" = int4 ]; then extra=(--extra_options int4_accuracy_level=4); fi
 while [ $# -gt 0 ]; do
   src=$1 out=$2; shift 2
   cache=$(mktemp -d)
-  precision=${PRECISION:-fp32}
-  extra=()
-  [ "$precision" = int4 ] && extra=(--extra_options int4_accuracy_level=4)
   "$VENV/bin/python" -m onnxruntime_genai.models.builder -i "$src" -o "$out" -p "$precision" -e cpu -c "$cache" \
-    "${extra[@]}"
+    ${extra[@]+"${extra[@]}"}
   rm -rf "$cache"
   echo "built $out from $src"
 done
