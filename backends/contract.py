@@ -43,7 +43,10 @@ def check_contract(m: Manifest, inputs: Sequence, outputs: Sequence, where: str)
     for role, name in m.outputs.items():
         if name:
             need(outs, name, f"outputs.{role}")
-    dims(outs[m.outputs["logits"]], "vocab_size", {-1: m.vocab_size})
+    if m.draft_vocab:  # a draft-only export: logits over its N tokens
+        dims(outs[m.outputs["logits"]], "draft_vocab.size", {-1: int(m.draft_vocab["size"])})
+    else:
+        dims(outs[m.outputs["logits"]], "vocab_size", {-1: m.vocab_size})
     hidden_in = m.inputs.get("hidden_states")
     if hidden_in and m.draft_head:
         dims(ins[hidden_in], "draft_head.hidden_size", {-1: int(m.draft_head["hidden_size"])})

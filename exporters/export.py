@@ -118,7 +118,8 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
                  atol: float | None = None, report: Callable[[str], None] | None = None,
                  with_hidden_states: bool = False, graph: str | None = None,
                  max_context: int | None = None, int4_compute: str = "fp32",
-                 greedy_head: bool | None = None, greedy_candidates: int | None = None) -> ExportResult:
+                 greedy_head: bool | None = None, greedy_candidates: int | None = None,
+                 draft_vocab: int | None = None, vocab_texts: list[str] | None = None) -> ExportResult:
     """Export ``src`` (a local Hugging Face model directory, a hub id, or a GGUF file) into ``out``.
 
     ``graph`` is ``fused`` (rlxrt's own graph from the safetensors weights, no torch needed; the default for
@@ -132,7 +133,8 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
     ``quantize="int8"`` makes a fused graph of 8-bit blocks computed so (``fused.INT8``; a portable graph
     gets dynamic int8). int4 from a GGUF keeps the file's own Q4_0/Q4_1/Q8_0 blocks (``gguf_blocks``).
     ``greedy_head`` (None: on for fp32 fused graphs) adds input ``greedy`` and output ``next_ids``
-    (``greedy_head.py``; ``greedy_candidates`` rows checked exactly, default 128).
+    (``greedy_head.py``; ``greedy_candidates`` rows checked exactly, default 128). ``draft_vocab`` N makes a
+    draft-only fused graph whose logits cover the N tokens ``vocab_texts`` use most (``draft_vocab.py``).
     """
     variant = _variant(dtype, quantize)
     check_int4_compute(int4_compute, variant == "int4")  # before any work
@@ -155,6 +157,9 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
         config = read_config(src_dir)
         final = work / "model"
         final.mkdir()
+        vocab_ids = vocab_record = None
+        if draft_vocab is not None:
+            vocab_ids, vocab_record = _draft_vocab(kind, config, src_dir, final, draft_vocab, vocab_texts)
         if kind == "fused":
             weights = steps.run("read", read_weights, src_dir)
             blocks = None
@@ -163,7 +168,8 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
             spec = steps.run("build", build_graph, config, weights, final / GRAPH, capacity=max_context,
                              with_hidden=with_hidden_states, quantize=variant if variant in ("int4", "int8") else None,
                              dtype="float16" if variant == "float16" else "float32", int4_compute=int4_compute,
-                             greedy_head=greedy_head, greedy_candidates=greedy_candidates, blocks=blocks)
+                             greedy_head=greedy_head, greedy_candidates=greedy_candidates, blocks=blocks,
+                             vocab_ids=vocab_ids)
             del weights, blocks
             layout, task, family = fused_layout(spec, with_hidden_states), FUSED_TASK, FAMILIES["attention"]
             stack = _torch_stack() if validate_export else None
@@ -178,7 +184,7 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
             family.export(steps, torch, model, final / GRAPH, variant, with_hidden_states)
             layout, task = family.layout(model, final / GRAPH, variant, with_hidden_states), family.task
         manifest = assemble_manifest(config, task, layout, src, src_dir, _save_tokenizer(transformers, src_dir, final))
-        manifest = replace(manifest, chat=save_chat(src_dir, final, manifest.eos_token_ids))
+        manifest = replace(manifest, chat=save_chat(src_dir, final, manifest.eos_token_ids), draft_vocab=vocab_record)
         if gguf_record is not None:
             manifest = replace(manifest, source={**manifest.source, **gguf_record})
         if validate_export and torch is None:
@@ -186,8 +192,9 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
         elif validate_export:
             if kind == "fused":
                 model = steps.run("load", _load, torch, transformers, src_dir)
+            columns = {} if vocab_ids is None else {"columns": vocab_ids}  # a draft-only graph's N logits
             record = steps.run("validate", family.validate, torch, model, manifest, runner(final / GRAPH),
-                               atol if atol is not None else TOLERANCE[variant])
+                               atol if atol is not None else TOLERANCE[variant], **columns)
             _check_validation(record)
             manifest = replace(manifest, validation=record)
         steps.run("write", _write, manifest, final, out, force)
@@ -214,6 +221,24 @@ def _graph_kind(graph: str | None, config: dict, variant: str, max_context: int 
         raise ExportError("--max-context sets the KV buffer of a fused graph; a portable graph has none "
                           "(drop it, or pass --graph fused)")
     return kind
+
+
+def _draft_vocab(kind: str, config: dict, src_dir: Path, final: Path, n: int, texts: list[str] | None):
+    """The N token ids of a draft-only export and its manifest record; the ids are written to ``final``."""
+    import json
+
+    from .draft_vocab import FILE, frequent_ids
+
+    if kind != "fused":
+        raise ExportError("--draft-vocab is built into the fused graph (llama, mistral, qwen2, qwen3); drop it, "
+                          "or drop --graph portable")
+    if not texts:
+        raise ExportError("--draft-vocab N keeps the N tokens a corpus uses most: pass --vocab-corpus PATH... "
+                          "(text like what the target will write)")
+    ids, record = frequent_ids(src_dir / "tokenizer.json", texts, n, int(config["vocab_size"]),
+                               _special_tokens(config, src_dir)[1])
+    (final / FILE).write_text(json.dumps(ids.tolist()) + "\n", encoding="utf-8")
+    return ids, record
 
 
 def _torch_stack():

@@ -129,7 +129,8 @@ class Spec:
     """The numbers of a Llama-style config.json the graph needs."""
 
     def __init__(self, config: dict, capacity: int | None, quantize: str | None = None, dtype: str = "float32",
-                 int4_compute: str = "fp32", greedy_head: bool | None = None, greedy_candidates: int | None = None):
+                 int4_compute: str = "fp32", greedy_head: bool | None = None, greedy_candidates: int | None = None,
+                 vocab_ids: np.ndarray | None = None):
         why_not = unsupported(config)
         if why_not:
             raise ExportError(f"{why_not}; export with --graph portable")
@@ -164,10 +165,16 @@ class Spec:
             if self.bits else None
         self.dtype = dtype
         """What the graph computes in and keeps its cache in; logits and hidden states leave it as float32."""
+        self.vocab_ids = vocab_ids
+        """A draft-only graph's N tokens (``draft_vocab.py``): its logits are theirs alone, [1, rows, N]."""
+        self.width = self.vocab if vocab_ids is None else len(vocab_ids)
+        if vocab_ids is not None and greedy_head:
+            raise ExportError("the greedy head reads a target's whole vocabulary, and --draft-vocab makes a draft: "
+                              "drop one of them")
         from .greedy_head import choose
 
-        self.greedy_head, self.greedy_candidates = choose(dtype == "float32" and not self.bits, self.vocab,
-                                                          self.hidden, greedy_head, greedy_candidates)
+        self.greedy_head, self.greedy_candidates = choose(dtype == "float32" and not self.bits and vocab_ids is None,
+                                                          self.vocab, self.hidden, greedy_head, greedy_candidates)
         """Input ``greedy`` and output ``next_ids``: the exact argmax through int8 candidates (greedy_head.py);
         by default where the LM head is large enough to pay for it (``greedy_head.MIN_SIZE``)."""
 
@@ -377,6 +384,8 @@ class Builder(Nodes):
         s = self.spec
         rows = self.node("Slice", [hidden, self.node("Neg", ["num_logits"], "neg_rows"),
                                    self.const("end", [np.iinfo(np.int64).max]), self.const("axis1", [1])], "rows")
+        if s.vocab_ids is not None:
+            return self.draft_logits(rows)
         if s.bits:  # MatMulNBits takes [1, rows, H]; the lookup keeps its fp32 embedding
             name = "model.embed_tokens.weight" if s.tied else "lm_head.weight"
             b = self.blocks.get(name)
@@ -402,6 +411,20 @@ class Builder(Nodes):
             out = self.node("Gemm", [flat, "embed.weight"], "logits2d", transB=1)
         else:
             out = self.node("MatMul", [flat, self.weight("lm_head.weight", self.take("lm_head.weight").T)], "logits2d")
+        return self.to_float32(self.node("Unsqueeze", [out, self.const("axis0", [0])], last), "logits")
+
+    def draft_logits(self, rows: str) -> str:
+        """The logits of a draft-only graph's N tokens: its own copy of their LM head rows, [N, H]."""
+        s = self.spec
+        name = "model.embed_tokens.weight" if s.tied else "lm_head.weight"
+        table = self.take(name)[s.vocab_ids]
+        if s.bits:
+            if self.blocks:
+                self.stored[name] = "int4"
+            return self.matmul(rows, np.ascontiguousarray(table.T), "logits")
+        flat = self.node("Reshape", [rows, self.const("flat", [-1, s.hidden])], "rows2d")
+        out = self.node("Gemm", [flat, self.weight("lm_head.draft", table)], "logits2d", transB=1)
+        last = "logits" if s.dtype == "float32" else "logits.compute"
         return self.to_float32(self.node("Unsqueeze", [out, self.const("axis0", [0])], last), "logits")
 
     def build(self, with_hidden: bool):
@@ -438,7 +461,7 @@ class Builder(Nodes):
                   h.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
                   h.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
                   h.make_tensor_value_info("num_logits", TensorProto.INT64, [1])]
-        outputs = [h.make_tensor_value_info(logits, TensorProto.FLOAT, [1, "rows", s.vocab])]
+        outputs = [h.make_tensor_value_info(logits, TensorProto.FLOAT, [1, "rows", s.width])]
         if s.greedy_head:
             inputs.append(h.make_tensor_value_info("greedy", TensorProto.BOOL, [1]))
             outputs += [h.make_tensor_value_info("next_ids", TensorProto.INT64, [1, "id_rows"]),
@@ -469,13 +492,15 @@ def fused_layout(spec: Spec, with_hidden: bool) -> dict:
 def build_graph(config: dict, weights: dict[str, np.ndarray], path: Path, *, capacity: int | None = None,
                 with_hidden: bool = False, quantize: str | None = None, dtype: str = "float32",
                 int4_compute: str = "fp32", greedy_head: bool | None = None,
-                greedy_candidates: int | None = None, blocks: dict | None = None) -> Spec:
+                greedy_candidates: int | None = None, blocks: dict | None = None,
+                vocab_ids: np.ndarray | None = None) -> Spec:
     """Write the fused graph of ``config``/``weights`` to ``path`` (weights in ``path.name + '.data'``);
     ``quantize="int4"`` stores the MatMul weights as int4 blocks (``INT4``; ``int4_compute="int8"``:
-    ``INT4_INT8``), a GGUF's own ``blocks`` where given (``gguf_blocks.matched``)."""
+    ``INT4_INT8``), a GGUF's own ``blocks`` where given (``gguf_blocks.matched``); ``vocab_ids`` makes a
+    draft-only graph whose logits cover those tokens (``draft_vocab.py``)."""
     import onnx
 
-    spec = Spec(config, capacity, quantize, dtype, int4_compute, greedy_head, greedy_candidates)
+    spec = Spec(config, capacity, quantize, dtype, int4_compute, greedy_head, greedy_candidates, vocab_ids)
     builder = Builder(spec, weights, blocks if spec.bits else None)
     model = builder.build(with_hidden)
     if builder.stored:

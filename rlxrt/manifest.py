@@ -117,6 +117,11 @@ class Manifest:
     draft_head: dict[str, Any] | None = None
     """For a draft head (not a language model): ``kind`` (``mtp``), ``hidden_size`` and the ``target``
     it was trained on (``path_or_id``, ``weights_sha256``); None for a model."""
+    draft_vocab: dict[str, Any] | None = None
+    """A draft-only export whose logits cover N tokens of the vocabulary (``rlxrt export --draft-vocab N``):
+    ``size`` (N), ``ids`` (file name of the JSON list of those token ids, ascending: logit column j is token
+    ``ids[j]``), ``corpus_tokens`` and ``corpus_coverage`` (the share of the counted corpus they cover). It
+    drafts for a target of the whole vocabulary and is refused as a target. None for a full-vocabulary model."""
     chat: dict[str, Any] | None = None
     """The chat template of an instruct model, or None: ``template`` (file name of the Jinja template),
     ``bos_token`` and ``eos_token`` (the strings a template may use) and ``end_of_turn_ids`` (tokens that end

@@ -122,7 +122,7 @@ def parse(cls, data: Any, where: str):
                                "re-export the model with this version of rlxrt")
     known = {"architecture", "model_type", "vocab_size", "max_positions", "graph", "dtype", "inputs", "outputs",
              "kv_cache", "bos_token_id", "eos_token_ids", "pad_token_id", "tokenizer", "source", "versions",
-             "validation", "state", "draft_head", "graph_kind", "quantization", "chat", "schema"}
+             "validation", "state", "draft_head", "graph_kind", "quantization", "chat", "draft_vocab", "schema"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ModelFormatError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))} for schema {SCHEMA} "
@@ -173,6 +173,11 @@ def parse(cls, data: Any, where: str):
         if hf.get("target", required=False) is not None:
             hf.sub("target", ("path_or_id", "weights_sha256")).strings(("path_or_id", "weights_sha256"))
     chat = _chat(f, token) if f.get("chat", required=False) is not None else None
+    draft_vocab = f.table("draft_vocab", required=False)
+    if draft_vocab is not None:
+        dv = f.sub("draft_vocab", ("size", "ids", "corpus_tokens", "corpus_coverage"))
+        dv.integer("size", 1, vocab - 1)
+        dv.text("ids", file_name=True)
     inputs = f.names("inputs", ("input_ids",))
     if head is not None and not inputs.get("hidden_states"):
         raise ModelFormatError(f"{where}: a draft head needs field 'inputs.hidden_states'; {FIX}")
@@ -199,7 +204,7 @@ def parse(cls, data: Any, where: str):
         tokenizer=f.text("tokenizer", required=False, file_name=True),
         source=_source(f), versions=f.table("versions", required=False) or {},
         validation=f.table("validation", required=False) or {}, state=state, draft_head=head, graph_kind=kind,
-        quantization=f.table("quantization", required=False), chat=chat,
+        quantization=f.table("quantization", required=False), chat=chat, draft_vocab=draft_vocab,
         schema=schema)
 
 

@@ -31,7 +31,8 @@ def check_same_vocabulary(target: KVModel | StateModel, draft: KVModel | StateMo
 
 
 def draft_chain(logits: np.ndarray, k: int, ctx: Context, step, min_prob: float = 0.0,
-                scratch: np.ndarray | None = None) -> DraftProposal:
+                scratch: np.ndarray | None = None, vocab_ids: np.ndarray | None = None,
+                vocab_size: int = 0) -> DraftProposal:
     """Up to k drafted tokens: the first from ``logits`` [V], each next one from ``step(token)`` (the draft's
     logits after it). Greedy takes the argmax; sampling draws from the transformed row, which the
     acceptance rule then needs. With ``min_prob`` the chain ends before any position after the first where
@@ -39,10 +40,13 @@ def draft_chain(logits: np.ndarray, k: int, ctx: Context, step, min_prob: float 
     before a token is drawn from it: deciding on the drawn token instead would draw the kept ones from q
     restricted to its likely tokens while the acceptance rule divides by q itself, which biases sampled
     output (the pure-tier chi-square test caught exactly that). ``scratch`` [V] float32 is where greedy
-    computes the probability."""
+    computes the probability. ``vocab_ids`` [N]: the logits are a draft-only export's N columns, column j
+    token ``vocab_ids[j]`` of ``vocab_size``; q is then zero outside them, which the acceptance rule takes as it comes."""
     tokens = np.empty(k, np.int64)
     greedy = ctx.params.greedy
-    rows = None if greedy else np.empty((k, len(logits)))
+    rows = None
+    if not greedy:
+        rows = np.empty((k, len(logits))) if vocab_ids is None else np.zeros((k, vocab_size))
     for i in range(k):
         if greedy:
             x = int(logits.argmax())
@@ -51,10 +55,16 @@ def draft_chain(logits: np.ndarray, k: int, ctx: Context, step, min_prob: float 
                 if 1.0 / np.exp(buf, out=buf).sum() < min_prob:
                     return DraftProposal(tokens[:i], None)
         else:
-            rows[i] = probs(logits, ctx.params)[0]
-            if i and rows[i].max() < min_prob:  # decided before drawing: a drafted token is still drawn from q
+            q = probs(logits, ctx.params)[0]
+            if i and q.max() < min_prob:  # decided before drawing: a drafted token is still drawn from q
                 return DraftProposal(tokens[:i], rows[:i])
-            x = sample(rows[i], ctx.rng)
+            x = sample(q, ctx.rng)
+            if vocab_ids is None:
+                rows[i] = q
+            else:
+                rows[i, vocab_ids] = q
+        if vocab_ids is not None:
+            x = int(vocab_ids[x])
         tokens[i] = x
         if i + 1 < k:
             logits = step(x)
@@ -73,10 +83,11 @@ class ModelSpeculator(Speculator):
 
     def set_min_prob(self, min_prob: float) -> None:
         self.min_prob = as_float(min_prob, "min_prob (a draft's chain ends below it)", 0.0, 0.999)
-        self.scratch = np.empty(self.model.vocab_size, np.float32) if self.min_prob else None
+        self.scratch = np.empty(self.model.logits_width, np.float32) if self.min_prob else None
 
     def chain(self, logits: np.ndarray, k: int, ctx: Context, step) -> DraftProposal:
-        return draft_chain(logits, k, ctx, step, self.min_prob, self.scratch)
+        return draft_chain(logits, k, ctx, step, self.min_prob, self.scratch, self.model.vocab_ids,
+                           self.model.vocab_size)
 
     @staticmethod
     def chain_ids(first: int, k: int, step) -> DraftProposal:

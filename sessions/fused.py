@@ -73,10 +73,10 @@ class FusedKVModel(GraphModel):
         self._out: dict[int, tuple[np.ndarray, object]] = {}
         self._hid: dict[int, tuple[np.ndarray, object]] = {}
         self._ids_buf = np.zeros((1, K_MAX + 1), np.int64)
-        self._logits_buf = np.zeros((1, K_MAX + 1, m.vocab_size), np.float32)
+        self._logits_buf = np.zeros((1, K_MAX + 1, self.logits_width), np.float32)
         self._hidden_buf: np.ndarray | None = None
         self._bound: tuple[int, int] | None = None  # (tokens, rows) the binding holds: rebound only on change
-        self._ort, self._vocab = ort, m.vocab_size
+        self._ort, self._vocab = ort, self.logits_width
         self._hidden_name: str | None = None
         self._run_binding = graph.session.run_with_iobinding
         self.output_names = [self._logits]
@@ -85,7 +85,7 @@ class FusedKVModel(GraphModel):
         if self.greedy_ids:  # the unused output of each mode is bound to an empty array, made once
             self._greedy, self._next_name = np.zeros(1, bool), m.outputs["next_ids"]
             self._next_buf, self._next = np.zeros((1, K_MAX + 1), np.int64), {}
-            self._no_logits = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, 0, m.vocab_size), np.float32))
+            self._no_logits = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, 0, self.logits_width), np.float32))
             self._no_ids = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, 0), np.int64))
             self._buffers.append(ort.OrtValue.ortvalue_from_numpy(self._greedy))
             self._binding.bind_ortvalue_input(m.inputs["greedy"], self._buffers[-1])

@@ -14,6 +14,25 @@ from rlxrt.backends import CompiledGraph
 from rlxrt.errors import GenerationError, ModelFormatError
 
 
+def draft_vocab_ids(graph: CompiledGraph) -> np.ndarray | None:
+    """[N] int64 token ids of a draft-only export's logit columns (ascending, inside the vocabulary), or None;
+    ModelFormatError when the manifest's file is missing or does not hold them."""
+    m = graph.manifest
+    if not m.draft_vocab:
+        return None
+    from rlxrt.files import read_json
+
+    path = graph.path.parent / m.draft_vocab["ids"]
+    n = int(m.draft_vocab["size"])
+    ids = read_json(path, "draft_vocab.ids", ModelFormatError)
+    arr = np.asarray(ids, np.int64) if isinstance(ids, list) and all(isinstance(i, int) for i in ids) else None
+    if arr is None or arr.shape != (n,) or (n and (arr[0] < 0 or arr[-1] >= m.vocab_size)) or \
+            bool(np.any(np.diff(arr) <= 0)):
+        raise ModelFormatError(f"{path}: draft_vocab.ids must list {n} distinct token ids in ascending order, each "
+                               f"below vocab_size {m.vocab_size}; re-export the draft with --draft-vocab")
+    return arr
+
+
 class GraphModel:
     """What the KV and the recurrent-state models share: the graph, its manifest, timed runs."""
 
@@ -38,6 +57,9 @@ class GraphModel:
         self._session_run = graph.session.run
         self.ids_name = m.inputs["input_ids"]
         self.vocab_size = m.vocab_size
+        self.vocab_ids = draft_vocab_ids(graph)
+        """The token of each logit column of a draft-only export (``rlxrt export --draft-vocab N``), else None."""
+        self.logits_width = m.vocab_size if self.vocab_ids is None else len(self.vocab_ids)
         self.max_positions = m.max_positions
         self.run_seconds = 0.0
         """Seconds spent inside ORT's session.run."""

@@ -23,7 +23,7 @@ from rlxrt.acceptance import greedy_accept, speculative_accept
 from rlxrt.backends import CompiledGraph, compile
 from rlxrt.checks import as_bool, as_int
 from rlxrt.config import Config
-from rlxrt.errors import GenerationError
+from rlxrt.errors import GenerationError, ModelFormatError
 from rlxrt.limits import K_MAX, MAX_NEW_TOKENS, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from rlxrt.sampling import SamplingParams, make_rng, probs
 from rlxrt.speculator import Context, DraftProposal, Prefill, Speculator, VerifyResult
@@ -137,6 +137,12 @@ class Session:
         graph = target if isinstance(target, CompiledGraph) else compile(target, config)
         self.target = decoder_for(graph)
         self.manifest = self.target.manifest
+        if self.target.vocab_ids is not None:
+            raise ModelFormatError(
+                f"{graph.path.parent} is a draft-only export: its logits cover {self.target.logits_width} of the "
+                f"{self.manifest.vocab_size} tokens (exported with --draft-vocab), so it cannot be the target; bind "
+                "it as the draft (DraftModel(dir) / --draft DIR) of a full-vocabulary target, or re-export it "
+                "without --draft-vocab")
         if speculator is not None and (self.manifest.quantization or {}).get("speculation") is False \
                 and not graph.rows_exact:
             q = self.manifest.quantization

@@ -9,7 +9,8 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32
            force: bool = False, validate: bool = True, atol: float | None = None,
            report: Callable[[str], None] | None = None, with_hidden_states: bool = False,
            graph: str | None = None, max_context: int | None = None, int4_compute: str = "fp32",
-           greedy_head: bool | None = None, greedy_candidates: int | None = None):
+           greedy_head: bool | None = None, greedy_candidates: int | None = None,
+           draft_vocab: int | None = None, vocab_corpus: list[str | os.PathLike] | None = None):
     """Export a Hugging Face causal LM (local directory or hub id) to an rlxrt model directory.
 
     Returns ``rlxrt.exporters.ExportResult`` (path, manifest, seconds per step).
@@ -23,7 +24,10 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32
     over such a target where rlxrt's CPU kernels run it (rows_exact) and refuses elsewhere (drafts may use it). ``greedy_head`` (default: on for fp32 fused graphs)
     adds the exact argmax through int8 candidates that greedy decoding reads instead of the logits
     (``rlxrt.exporters.greedy_head``); False leaves it out. ``greedy_candidates`` (default 128) is how many
-    rows it computes exactly: fewer cost less and send more rows to the full Gemm.
+    rows it computes exactly: fewer cost less and send more rows to the full Gemm. ``draft_vocab`` N (with
+    ``vocab_corpus``: text files, directories or .json lists of texts) makes a draft-only fused graph whose
+    logits cover the N tokens that text uses most: a cheaper draft step, exact output all the same (it is
+    refused as a target).
     """
     from rlxrt.checks import as_bool, as_float, as_int
     from rlxrt.errors import ExportError
@@ -34,6 +38,15 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32
         raise ExportError(f"atol must be a positive number (a max abs logit difference), got {atol!r}")
     if max_context is not None:
         max_context = as_int(max_context, "max_context", 1, error=ExportError)
+    texts = None
+    if draft_vocab is not None:
+        draft_vocab = as_int(draft_vocab, "draft_vocab", 1, error=ExportError)
+        if vocab_corpus:
+            from .train_head import documents
+
+            texts = [t for _, t in documents([str(p) for p in vocab_corpus], "--vocab-corpus", at_least=1)]
+    elif vocab_corpus:
+        raise ExportError("--vocab-corpus is counted for --draft-vocab N; pass both, or neither")
     from rlxrt.exporters import export_model
 
     return export_model(src, out, runner=runner, dtype=dtype, quantize=quantize, force=force,
@@ -42,7 +55,8 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32
                         int4_compute=int4_compute,
                         greedy_head=None if greedy_head is None else as_bool(greedy_head, "greedy_head", ExportError),
                         greedy_candidates=None if greedy_candidates is None else
-                        as_int(greedy_candidates, "greedy_candidates", 1, error=ExportError))
+                        as_int(greedy_candidates, "greedy_candidates", 1, error=ExportError),
+                        draft_vocab=draft_vocab, vocab_texts=texts)
 
 
 def runner(graph_path: str | os.PathLike) -> Callable[[dict], dict]:

@@ -167,8 +167,11 @@ def run_bench(target_dir: Path, draft_dir: Path | None, prompts: list[str], *, m
         if draft_graph is None:
             raise UsageError("--other-draft runs beside a draft; pass --draft too")
         graphs.append(compile(other_draft, config))
-        dtype = graphs[-1].manifest.dtype
-        label = dtype if dtype != draft_graph.manifest.dtype else Path(other_draft).name
+        om = graphs[-1].manifest
+        words = [om.dtype] if om.dtype != draft_graph.manifest.dtype else []
+        if om.draft_vocab:
+            words.append(f"vocab {om.draft_vocab['size']}")
+        label = " ".join(words) or Path(other_draft).name
         specs += [Spec(f"{label} draft k={k}", lambda g=graphs[-1]: DraftModel(g), k=k) for k in ks]
     heads = [] if head_dir is None else [Path(head_dir)] if isinstance(head_dir, (str, Path)) else list(head_dir)
     for hd, label in zip(heads, head_labels(heads)):  # several heads: rows named after each head's directory

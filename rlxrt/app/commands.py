@@ -25,7 +25,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     res = export(args.src, args.out, dtype=args.dtype, quantize=args.quantize, force=args.force,
                  validate=not args.no_validate, atol=args.atol, report=report,
                  with_hidden_states=args.with_hidden_states, graph=args.graph, max_context=args.max_context,
-                 int4_compute=args.int4_compute, greedy_head=args.greedy_head)
+                 int4_compute=args.int4_compute, greedy_head=args.greedy_head, draft_vocab=args.draft_vocab,
+                 vocab_corpus=args.vocab_corpus)
     m = res.manifest
     v = m.validation
     if args.json:
@@ -35,7 +36,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         check = ("not validated" if v.get("skipped") else
                  f"validated: max abs diff {v['max_abs_diff']:.2e} (allowed {v['tolerance']:.1e}), "
                  f"argmax agreement {v['argmax_agreement']:.2f}")
-        print(f"{res.path}: {m.architecture}, {m.dtype}, vocab {m.vocab_size}, "
+        vocab = (f"vocab {m.vocab_size}" if not m.draft_vocab else
+                 f"drafts {m.draft_vocab['size']} of {m.vocab_size} tokens ({m.draft_vocab['corpus_coverage']:.0%} "
+                 "of the corpus)")
+        print(f"{res.path}: {m.architecture}, {m.dtype}, {vocab}, "
               f"{_cache_kind(m)}; {check}; "
               f"tokenizer {'saved' if m.tokenizer else 'none (token ids only)'}")
     return 0
@@ -334,6 +338,11 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("--greedy-head", action=argparse.BooleanOptionalAction, default=None,
                    help="fused fp32 graphs: greedy decoding reads the exact argmax found through int8 candidates "
                         "instead of the full logits (default on; --no-greedy-head leaves it out)")
+    p.add_argument("--draft-vocab", type=int, metavar="N",
+                   help="a draft-only fused graph whose logits cover the N tokens --vocab-corpus uses most (and the "
+                        "end-of-generation ones): a cheaper draft step, exact output all the same; refused as a target")
+    p.add_argument("--vocab-corpus", nargs="+", metavar="PATH",
+                   help="text files, directories or .json lists of texts whose tokens --draft-vocab counts")
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     p.add_argument("--no-validate", action="store_true", help="skip the ORT-vs-PyTorch check")
     p.add_argument("--atol", type=float, help="validation tolerance (max abs logit diff, scaled by max |logit|)")

@@ -58,9 +58,9 @@ def add_train_head(add, runtime_flags) -> None:
     runtime_flags(p, threads=2)
 
 
-def documents(paths: list[str]) -> list[tuple[str, str]]:
+def documents(paths: list[str], flag: str = "--corpus", at_least: int = 2) -> list[tuple[str, str]]:
     """(name, text) of every document: a text file, each file under a directory (UTF-8 text only), or each
-    string of a .json list."""
+    string of a .json list; UsageError naming ``flag`` when fewer than ``at_least`` are not empty."""
     docs = []
     for raw in paths:
         path = Path(raw)
@@ -72,14 +72,16 @@ def documents(paths: list[str]) -> list[tuple[str, str]]:
                 except (UnicodeDecodeError, OSError):
                     continue  # a directory may hold binary files; named files must be text (below)
         elif path.suffix.lower() == ".json":
-            data = read_json(path, "--corpus")
+            data = read_json(path, flag)
             if not isinstance(data, list) or not all(isinstance(t, str) for t in data):
-                raise UsageError(f"--corpus {raw!r}: a .json corpus must hold a list of texts")
+                raise UsageError(f"{flag} {raw!r}: a .json corpus must hold a list of texts")
             docs += [(f"{raw}[{i}]", t) for i, t in enumerate(data)]
         else:
-            docs.append((raw, read_text(path, "--corpus")))
+            docs.append((raw, read_text(path, flag)))
     docs = [(n, t) for n, t in docs if t.strip()]
-    if len(docs) < 2:
+    if len(docs) < at_least and at_least < 2:
+        raise UsageError(f"{flag} holds no text; pass text files, directories or a .json list of texts")
+    if len(docs) < at_least:
         raise UsageError(f"the corpus holds {len(docs)} non-empty document(s); pass at least 2 (held-out text is "
                          "split off by document)")
     return docs
@@ -114,6 +116,10 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         raise UsageError("train-head trains with torch: pip install torch==2.13.0 (or 'rlxrt[export]')") from None
     config = _config(args, intra_op_threads=2)
     graph = compile(args.target, config)
+    if graph.manifest is not None and graph.manifest.draft_vocab:
+        raise UsageError(f"{args.target!r} is a draft-only export (--draft-vocab: logits over "
+                         f"{graph.manifest.draft_vocab['size']} tokens); a head learns from the target itself: pass "
+                         "its full-vocabulary export")
     m = graph.manifest
     if m is None or not m.outputs.get("hidden_states") or m.draft_head:
         raise UsageError(f"{args.target!r} has no hidden_states output; re-export the target with "
