@@ -146,3 +146,23 @@ def test_bad_draft_vocab_exports(exported, corpus, tmp_path, kwargs, words):
     with pytest.raises(ExportError, match=words):
         rlxrt.export(exported.source("llama"), tmp_path / "out", **kwargs)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_cli_exports_inspects_and_drafts_with_it(exported, corpus, tmp_path):
+    import subprocess
+    import sys
+
+    def rlxrt_cli(*args):
+        return subprocess.run([sys.executable, "-m", "rlxrt", *map(str, args)], capture_output=True, text=True)
+
+    out = tmp_path / "d"
+    r = rlxrt_cli("export", exported.source("llama", seed=1), out, "--draft-vocab", N, "--vocab-corpus", corpus)
+    assert r.returncode == 0 and f"drafts {N} of 320 tokens" in r.stdout, r.stderr
+    assert f"logits over {N} of them" in rlxrt_cli("inspect", out).stdout
+    target = exported("llama")
+    r = rlxrt_cli("generate", "--target", target, "--draft", out, "--prompt", PROMPT, "--max-new-tokens", 12,
+                  "--json")
+    plain = Session(target, None, CFG).generate(PROMPT, max_new_tokens=12)
+    assert r.returncode == 0 and json.loads(r.stdout)["token_ids"] == plain.token_ids, r.stderr
+    r = rlxrt_cli("generate", "--target", out, "--prompt", PROMPT)
+    assert r.returncode != 0 and "draft-only export" in r.stderr

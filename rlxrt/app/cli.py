@@ -94,7 +94,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             print(f"  {t['name']:<32} {t['dtype']:<8} {t['shape']}")
     if info["manifest"]:
         m = info["manifest"]
-        print(f"manifest: {m['architecture']} ({m['model_type']}), vocab {m['vocab_size']}, "
+        dv = m.get("draft_vocab")
+        drafts = f" (a draft-only export: logits over {dv['size']} of them)" if dv else ""
+        print(f"manifest: {m['architecture']} ({m['model_type']}), vocab {m['vocab_size']}{drafts}, "
               f"max positions {m['max_positions']}, dtype {m['dtype']}")
     return 0
 
