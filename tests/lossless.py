@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 from scipy.stats import chisquare
 
-from rlxrt.sampling import SamplingParams, probs
+from rlxrt.sampling import SamplingParams, probs, sample
+from rlxrt.speculator import AcceptDecision
 
 
 def two_token_marginals(ref, prompt: list[int], params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
@@ -34,3 +35,12 @@ def assert_first_two_tokens_follow(session, prompt: list[int], p1, p2, draws: in
         if (~big).any():
             obs, exp = np.append(obs, counts[~big].sum()), np.append(exp, expected[~big].sum())
         assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+
+
+def accept_ignoring_q(p, q, draft, rng) -> AcceptDecision:
+    """A wrong acceptance rule for negative controls: it accepts a drafted token when p > 0.5 q, and otherwise
+    samples from p instead of the residual, so the output no longer has the target's distribution."""
+    for i in range(len(draft)):
+        if p[i, draft[i]] / q[i, draft[i]] <= 0.5:
+            return AcceptDecision(i, np.array([*draft[:i], sample(p[i], rng)]), False)
+    return AcceptDecision(len(draft), np.array([*draft, sample(p[len(draft)], rng)]), True)

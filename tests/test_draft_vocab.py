@@ -10,10 +10,9 @@ import rlxrt
 from rlxrt import Config, ExportError, Manifest, ModelFormatError, compile
 from rlxrt.sampling import SamplingParams
 from rlxrt.sessions import DraftModel, Session, decoder_for
-from rlxrt.speculator import AcceptDecision
 
 from hf_models import CORPUS
-from lossless import assert_first_two_tokens_follow, two_token_marginals
+from lossless import accept_ignoring_q, assert_first_two_tokens_follow, two_token_marginals
 
 pytestmark = pytest.mark.export
 CFG = Config(intra_op_threads=1, cache=False)
@@ -112,15 +111,7 @@ def test_sampled_speculation_with_a_draft_vocab_is_lossless(exported, reduced, m
     assert_first_two_tokens_follow(s, prompt, p1, p2, draws=3000)
     assert s.stats.accepted > 0
 
-    from rlxrt.sampling import sample
-
-    def wrong(p, q, draft, rng):
-        for i in range(len(draft)):
-            if p[i, draft[i]] / q[i, draft[i]] <= 0.5:
-                return AcceptDecision(i, np.array([*draft[:i], sample(p[i], rng)]), False)
-        return AcceptDecision(len(draft), np.array([*draft, sample(p[len(draft)], rng)]), True)
-
-    monkeypatch.setattr("rlxrt.sessions.session.speculative_accept", wrong)
+    monkeypatch.setattr("rlxrt.sessions.session.speculative_accept", accept_ignoring_q)
     broken = Session(target, DraftModel(reduced["other"], CFG), CFG, k=2)
     with pytest.raises(AssertionError):
         assert_first_two_tokens_follow(broken, prompt, p1, p2, draws=3000)

@@ -11,7 +11,6 @@ import pytest
 from rlxrt.app.cli import main
 from rlxrt.config import Config
 from rlxrt.sampling import SamplingParams
-from rlxrt.speculator import AcceptDecision
 
 pytestmark = pytest.mark.export
 CFG = Config(intra_op_threads=1, cache=False)
@@ -104,7 +103,7 @@ def test_reduced_vocabulary_head_is_greedy_exact(llama, reduced_head):
 def test_reduced_vocabulary_head_sampled_is_lossless(llama, reduced_head, monkeypatch):
     """First and second tokens against the target's exact marginals; then, as a negative control, the same
     test with an acceptance rule that ignores the draft's probabilities (accepts when p/q > 0.5) must fail."""
-    from lossless import assert_first_two_tokens_follow, two_token_marginals
+    from lossless import accept_ignoring_q, assert_first_two_tokens_follow, two_token_marginals
 
     from rlxrt.backends import compile
     from rlxrt.sessions import MtpHead, Session
@@ -117,15 +116,7 @@ def test_reduced_vocabulary_head_sampled_is_lossless(llama, reduced_head, monkey
     assert_first_two_tokens_follow(s, prompt, p1, p2, draws=4000)
     assert s.stats.accepted > 0
 
-    from rlxrt.sampling import sample
-
-    def wrong(p, q, draft, rng):
-        for i in range(len(draft)):
-            if p[i, draft[i]] / q[i, draft[i]] <= 0.5:
-                return AcceptDecision(i, np.array([*draft[:i], sample(p[i], rng)]), False)
-        return AcceptDecision(len(draft), np.array([*draft, sample(p[len(draft)], rng)]), True)
-
-    monkeypatch.setattr("rlxrt.sessions.session.speculative_accept", wrong)
+    monkeypatch.setattr("rlxrt.sessions.session.speculative_accept", accept_ignoring_q)
     broken = Session(llama, MtpHead(out, CFG), CFG, k=2)
     with pytest.raises(AssertionError):
         assert_first_two_tokens_follow(broken, prompt, p1, p2, draws=4000)
