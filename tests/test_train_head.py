@@ -157,6 +157,34 @@ def test_a_rerun_reuses_the_target_outputs_and_a_changed_corpus_does_not(llama, 
     assert "--mlp-size" in capsys.readouterr().err
 
 
+def test_more_text_reuses_the_windows_the_cache_holds(llama, corpus, tmp_path, monkeypatch, capsys):
+    """A run over more of the corpus (another key) sends only the new windows through the target, plus the one
+    whose logits the output-layer fit needs; its cache equals the one a fresh run writes."""
+    from rlxrt.app import teacher
+    from rlxrt.sessions.fused import FusedKVModel
+
+    def run(out, max_tokens, *extra):
+        assert main(["train-head", str(llama), "--corpus", str(corpus), "--out", str(out), "--steps", "5",
+                     "--batch", "4", "--max-tokens", str(max_tokens), "--threads", "1", *extra]) == 0
+
+    run(tmp_path / "head", 6000, "--quiet")
+    windows, real = [], FusedKVModel.forward
+    monkeypatch.setattr(FusedKVModel, "forward",
+                        lambda self, t, *a, **k: windows.append(len(t) == teacher.WINDOW) or real(self, t, *a, **k))
+    capsys.readouterr()
+    run(tmp_path / "head", 9000)
+    assert "windows of an earlier run with the same target are reused" in capsys.readouterr().err
+    assert sum(windows) == 9000 // teacher.WINDOW - 6000 // teacher.WINDOW + 1
+    monkeypatch.setattr(FusedKVModel, "forward", real)
+    run(tmp_path / "fresh", 9000, "--quiet")
+    with np.load(tmp_path / "head" / ".train" / teacher.CACHE) as a, \
+            np.load(tmp_path / "fresh" / ".train" / teacher.CACHE) as b:
+        for name in ("key", "tokens", "hidden", "lse", "held_hidden", "held_lse", "fit_h", "fit_l"):
+            assert np.array_equal(a[name], b[name]), name
+    other = teacher.target_digest(tmp_path / "head" / "rlxrt.json")  # the head's manifest: another model
+    assert teacher.known_windows(tmp_path / "head" / ".train", other) == {}
+
+
 def test_train_head_usage_errors(exported, corpus, tmp_path, capsys):
     no_hidden = exported("llama")
     assert main(["train-head", str(no_hidden), "--corpus", str(corpus), "--out", str(tmp_path / "h")]) == 2

@@ -165,10 +165,16 @@ def _teacher_outputs(args, graph, model, stream, held_stream, vocab_ids, hidden_
             f"({directory / t.CACHE})")
         return found
     windows, held_windows = (len(stream) - 1) // WINDOW, (len(held_stream) - 1) // WINDOW
-    data, fit_h, fit_l = t.teacher(model, stream, windows, 4 * hidden_size, vocab_ids)
-    held, *_ = t.teacher(model, held_stream, held_windows, 0, vocab_ids)
+    target = t.target_digest(graph.path.parent / MANIFEST_NAME)
+    known = t.known_windows(directory, target)
+    if known:
+        say(f"train-head: {len(known)} windows of an earlier run with the same target are reused where this "
+            f"corpus has them ({directory / t.CACHE})")
+    data, fit_h, fit_l = t.teacher(model, stream, windows, 4 * hidden_size, vocab_ids, known)
+    held, *_ = t.teacher(model, held_stream, held_windows, 0, vocab_ids, known)
+    del known
     directory.mkdir(parents=True, exist_ok=True)
-    t.save(directory, key, data, held, fit_h, fit_l)
+    t.save(directory, key, target, data, held, fit_h, fit_l)
     return data, held, fit_h, fit_l
 
 
