@@ -41,7 +41,8 @@ def draft_chain(logits: np.ndarray, k: int, ctx: Context, step, min_prob: float 
     restricted to its likely tokens while the acceptance rule divides by q itself, which biases sampled
     output (the pure-tier chi-square test caught exactly that). ``scratch`` [V] float32 is where greedy
     computes the probability. ``vocab_ids`` [N]: the logits are a draft-only export's N columns, column j
-    token ``vocab_ids[j]`` of ``vocab_size``; q is then zero outside them, which the acceptance rule takes as it comes."""
+    token ``vocab_ids[j]`` of ``vocab_size``; q is then zero outside them, which the acceptance rule takes as
+    it comes."""
     tokens = np.empty(k, np.int64)
     greedy = ctx.params.greedy
     rows = None
