@@ -237,6 +237,10 @@ MANIFESTS = [
     ("fused without capacity", _set("kv_cache.capacity", KeyError), ["kv_cache.capacity", "fused"]),
     ("capacity vs positions", _set("kv_cache.capacity", 512), ["'max_positions' (1024)", "512"]),
     ("fused roles", _set("inputs.num_logits", KeyError), ["inputs.num_logits", "fused"]),
+    ("draft vocab", _set("draft_vocab", {"size": 4096, "ids": "ids.json"}), ["draft_vocab.size", "4096"]),
+    ("draft vocab", _set("draft_vocab", {"size": 100, "ids": "../ids.json"}), ["draft_vocab.ids", "inside"]),
+    ("draft vocab", _set("draft_vocab", {"size": 100, "ids": "ids.json"}), ["draft_vocab.size is 100", "4096"]),
+    ("draft vocab", _set("draft_vocab", {"size": 100, "ids": "ids.json", "colour": 1}), ["'draft_vocab.colour'"]),
 ]
 RAW = [("not json", b"{", ["not valid JSON"]), ("latin1", "{\"a\": \"\xe9\"}".encode("latin-1"), ["not UTF-8"]),
        ("a list", b"[]", ["JSON object", "list"])]

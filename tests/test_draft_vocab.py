@@ -117,6 +117,18 @@ def test_sampled_speculation_with_a_draft_vocab_is_lossless(exported, reduced, m
         assert_first_two_tokens_follow(broken, prompt, p1, p2, draws=3000)
 
 
+@pytest.mark.parametrize("ids, words", [(list(range(N - 1)), "must list 64"), (list(range(N))[::-1], "ascending"),
+                                        ([*range(N - 1), 320], "below vocab_size 320"), ("x", "must list")])
+def test_a_damaged_id_list_is_refused(reduced, tmp_path, ids, words):
+    import shutil
+
+    d = tmp_path / "d"
+    shutil.copytree(reduced["other"], d)
+    (d / "draft_vocab.json").write_text(json.dumps(ids))
+    with pytest.raises(ModelFormatError, match=words):
+        DraftModel(d, CFG)
+
+
 def test_a_draft_only_export_is_refused_as_a_target(reduced):
     with pytest.raises(ModelFormatError, match="draft-only export.*64 of the 320 tokens.*--draft DIR"):
         Session(reduced["other"], None, CFG)
