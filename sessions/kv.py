@@ -26,8 +26,7 @@ def draft_vocab_ids(graph: CompiledGraph) -> np.ndarray | None:
     n = int(m.draft_vocab["size"])
     ids = read_json(path, "draft_vocab.ids", ModelFormatError)
     arr = np.asarray(ids, np.int64) if isinstance(ids, list) and all(isinstance(i, int) for i in ids) else None
-    if arr is None or arr.shape != (n,) or (n and (arr[0] < 0 or arr[-1] >= m.vocab_size)) or \
-            bool(np.any(np.diff(arr) <= 0)):
+    if arr is None or arr.shape != (n,) or arr[0] < 0 or arr[-1] >= m.vocab_size or bool(np.any(np.diff(arr) <= 0)):
         raise ModelFormatError(f"{path}: draft_vocab.ids must list {n} distinct token ids in ascending order, each "
                                f"below vocab_size {m.vocab_size}; re-export the draft with --draft-vocab")
     return arr

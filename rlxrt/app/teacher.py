@@ -32,9 +32,10 @@ def teacher(model, stream: np.ndarray, windows: int, keep_logits_rows: int, voca
     T = WINDOW
     tokens = np.stack([stream[i * T:i * T + T + 1] for i in range(windows)]).astype(np.int64)
     hidden, lse, fit_h, fit_l = [], [], [], []
+    known, fitted = known or {}, 0
     for w in tokens:
-        done = (known or {}).get(w[:T].tobytes())
-        if done is not None and sum(len(x) for x in fit_h) >= keep_logits_rows:
+        done = known.get(w[:T].tobytes())
+        if done is not None and fitted >= keep_logits_rows:
             hidden.append(done[0])
             lse.append(done[1])
             continue
@@ -44,7 +45,8 @@ def teacher(model, stream: np.ndarray, windows: int, keep_logits_rows: int, voca
         lse.append((top[:, 0] + np.log(np.exp(logits - top).sum(-1))).astype(np.float32))
         h = np.asarray(model.hidden, np.float32).reshape(T, -1)
         hidden.append(h.astype(np.float16))
-        if sum(len(x) for x in fit_h) < keep_logits_rows:
+        if fitted < keep_logits_rows:
+            fitted += len(h)
             fit_h.append(h)
             fit_l.append(logits if vocab_ids is None else logits[:, vocab_ids])
     model.reset()
@@ -109,6 +111,7 @@ def load(directory: Path, key: str):
 def save(directory: Path, key: str, target: str, data, held, fit_h: np.ndarray, fit_l: np.ndarray) -> None:
     """Write the cache (to a temporary name first: a stopped run never leaves a half-written one)."""
     tmp = directory / (CACHE + ".tmp.npz")
-    np.savez(tmp, key=np.array(key), target=np.array(target), tokens=data.tokens, hidden=data.hidden, lse=data.lse,
+    np.savez(tmp, key=np.array(key), target=np.array(target), tokens=data.tokens, hidden=data.hidden,
+             lse=data.lse,
              held_tokens=held.tokens, held_hidden=held.hidden, held_lse=held.lse, fit_h=fit_h, fit_l=fit_l)
     os.replace(tmp, directory / CACHE)
