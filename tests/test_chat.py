@@ -2,6 +2,7 @@
 and `rlxrt generate --chat` end at the end-of-turn token; a model without a template gets a clear error."""
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -222,6 +223,15 @@ def test_self_prompts_keep_finished_new_requests(monkeypatch):
     assert distill.self_prompts(s, 2, exclude=["Explain what a hash table is.", "Tell me a joke"]) == [
         "Explain how a compiler works.", "Write a haiku about rain"]
 
+    # a run stopped after some tries continues from them: the same requests as an uninterrupted run
+    seen = []
+    s = _Scripted([_reply(" a joke, please"), _reply(" sort a list")])
+    assert distill.self_prompts(s, 2, seed=5, start=(["a joke, please"], 2),
+                                progress=lambda kept, tries: seen.append((list(kept), tries))) == [
+        "a joke, please", "sort a list"]  # the repeat is still dropped; seeds go on from try 2
+    assert [c[1]["seed"] for c in s.calls] == [7, 8]
+    assert seen == [(["a joke, please"], 3), (["a joke, please", "sort a list"], 4)]
+
     s.has_chat_template = False
     with pytest.raises(UsageError, match="--self-prompts needs a model with a chat template.*--prompts FILE"):
         distill.self_prompts(s, 1)
@@ -248,7 +258,21 @@ def test_distill_self_prompts_end_to_end(exported, tmp_path, capsys):
     assert main(args) == 0
     docs = json.loads(out.read_text())
     assert len(docs) == 2 and docs[1].startswith(s.chat_text([{"role": "user", "content": "delta epsilon zeta"}]))
+    # a run stopped while writing its requests continues from OUT-prompts.partial.json, then removes it
+    again = [*args[:5], str(tmp_path / "again.json"), *args[6:]]
+    partial, requests = tmp_path / "again-prompts.partial.json", tmp_path / "again-prompts.json"
+    run = {"self_prompts": 2, "seed": 9, "exclude_sha256": hashlib.sha256(b"[]").hexdigest()}
+    partial.write_text(json.dumps({**run, "tries": 1, "kept": ["alpha beta gamma"]}))
+    assert main([*again, "--limit", "0"]) == 0
+    assert json.loads(requests.read_text()) == self_prompts(s, 2, seed=9, start=(["alpha beta gamma"], 1))
+    assert not partial.exists()
+    requests.unlink()
     capsys.readouterr()
+    for saved, message in (({**run, "seed": 10, "tries": 1, "kept": []}, "other --self-prompts, --seed or --exclude"),
+                           ({**run, "tries": "1", "kept": []}, "is damaged")):
+        partial.write_text(json.dumps(saved))
+        assert main(again) == 2
+        assert message in capsys.readouterr().err and partial.exists() and not requests.exists()
     assert main(["distill", str(model), "--out", str(tmp_path / "x.json")]) == 2
     assert "distill needs --prompts FILE or --self-prompts N" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text('{"not": "a list"}')

@@ -13,13 +13,15 @@ With no instructions at hand, ``--self-prompts N`` lets the target write them to
 chat template's empty user turn it samples a request (temperature 0.7, top-p 0.9, at most 64 tokens), each
 opened by one of a few generic openers (``OPENERS``) for variety; a request is kept when the target ended the
 turn itself, it has at least three words and it is new. The requests are written to ``OUT-prompts.json`` first
-and reused by a continued run. ``--exclude FILE...`` keeps other requests out (an earlier batch, and above all
+and reused by a continued run (while they are written, ``OUT-prompts.partial.json`` keeps the ones found so
+far after every try, so a run stopped then continues too). ``--exclude FILE...`` keeps other requests out (an earlier batch, and above all
 the prompts you will measure the head on): a written request equal to one of them, or holding 80 % of its
 words, is dropped.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -59,18 +61,21 @@ TRIES = 4
 """Samples drawn per requested prompt at most, before giving up with fewer."""
 
 
-def self_prompts(session, n: int, seed: int = 0, progress=None, exclude: list[str] = ()) -> list[str]:
+def self_prompts(session, n: int, seed: int = 0, progress=None, exclude: list[str] = (),
+                 start: tuple[list[str], int] = ((), 0)) -> list[str]:
     """Up to ``n`` user requests the target writes itself from its chat template's empty user turn, none
-    equal or near (``NEAR``) to one of ``exclude``; ``progress(kept, tries)`` is called after each try."""
+    equal or near (``NEAR``) to one of ``exclude``; ``progress(kept, tries)`` is called after each try with the
+    requests kept so far. ``start`` = (kept, tries) continues a run stopped after that many tries: try i always
+    samples with seed + i, so the result equals an uninterrupted run's."""
     if not session.has_chat_template:
         raise UsageError("--self-prompts needs a model with a chat template; pass --prompts FILE instead")
     marker = "\x00"
     text = session.chat_text([{"role": "user", "content": marker}])
     prefix = text[:text.index(marker)]
-    kept: list[str] = []
-    seen: set[str] = set(exclude)
+    kept: list[str] = list(start[0])
+    seen: set[str] = set(exclude) | set(kept)
     avoid = [w for w in map(_words, exclude) if w]
-    for i in range(n * TRIES):
+    for i in range(start[1], n * TRIES):
         if len(kept) == n:
             break
         opener = OPENERS[i % len(OPENERS)]
@@ -81,7 +86,7 @@ def self_prompts(session, n: int, seed: int = 0, progress=None, exclude: list[st
             kept.append(prompt)
             seen.add(prompt)
         if progress:
-            progress(len(kept), i + 1)
+            progress(kept, i + 1)
     return kept
 
 
@@ -169,20 +174,41 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
 
 def _self_prompts(session, args: argparse.Namespace, out: Path, exclude: list[str]) -> list[str]:
-    """The self-written requests: read from OUT-prompts.json when a previous run wrote it, else written now."""
+    """The self-written requests: read from OUT-prompts.json when a previous run wrote it, else written now.
+    While they are written, OUT-prompts.partial.json holds the requests kept so far after every try, so a
+    stopped run continues from its last try (with the same --self-prompts, --seed and --exclude)."""
     path = out.with_name(out.stem + "-prompts.json")
     if path.is_file():
         return read_prompts(str(path))
+    partial = out.with_name(out.stem + "-prompts.partial.json")
+    run = {"self_prompts": args.self_prompts, "seed": args.seed,
+           "exclude_sha256": hashlib.sha256(json.dumps(exclude).encode()).hexdigest()}
+    start: tuple[list[str], int] = ([], 0)
+    if partial.is_file():
+        saved = read_json(partial, "--out")
+        if not isinstance(saved, dict) or {k: saved.get(k) for k in run} != run:
+            raise UsageError(f"{str(partial)!r} holds the requests of a stopped run with other --self-prompts, --seed "
+                             "or --exclude; rerun with those, or delete it to start afresh")
+        kept, tries = saved.get("kept"), saved.get("tries")
+        if not (isinstance(kept, list) and all(isinstance(q, str) for q in kept) and isinstance(tries, int)
+                and len(kept) <= tries <= args.self_prompts * TRIES):
+            raise UsageError(f"{str(partial)!r} is damaged (it needs 'kept', a list of requests, and 'tries'); "
+                             "delete it to start afresh")
+        start = (kept, tries)
     t0 = time.perf_counter()
 
-    def progress(kept: int, tries: int) -> None:
-        print(f"\r  {kept}/{args.self_prompts} requests written ({tries} tries)", end="", file=sys.stderr, flush=True)
+    def progress(found: list[str], tries: int) -> None:
+        _write(partial, {**run, "tries": tries, "kept": found})
+        if not args.quiet:
+            print(f"\r  {len(found)}/{args.self_prompts} requests written ({tries} tries)", end="", file=sys.stderr,
+                  flush=True)
 
-    prompts = self_prompts(session, args.self_prompts, args.seed, None if args.quiet else progress, exclude)
+    prompts = self_prompts(session, args.self_prompts, args.seed, progress, exclude, start)
     if not prompts:
         raise UsageError(f"the target wrote no usable request in {args.self_prompts * TRIES} tries; "
                          "pass --prompts FILE instead")
     _write(path, prompts)
+    partial.unlink(missing_ok=True)
     if not args.quiet:
         print(f"\n  {len(prompts)} requests in {time.perf_counter() - t0:.0f} s -> {path}", file=sys.stderr)
     return prompts
