@@ -61,7 +61,7 @@ class Attention:
         if columns is not None:
             ref = ref[..., columns]
         return validate(run, manifest, ids, ref, prompt_len, tolerance,
-                        lambda *outs: hidden_diff(torch, model, ids, *outs))
+                        lambda *outs: hidden_diff(torch, model, ids, *outs, layers=manifest.hidden_layers))
 
 
 def _optimum_export(model, graph: Path) -> None:

@@ -26,7 +26,7 @@ from .deps import require_export_stack, versions
 from .families import FAMILIES, family_for
 from .gguf_source import dequantise, gguf_file
 from .fused import TASK as FUSED_TASK
-from .fused import build_graph, check_int4_compute, fused_layout
+from .fused import build_graph, check_int4_compute, default_hidden_layers, fused_layout
 from .fused import unsupported as fused_unsupported
 from .safetensors_np import read_weights
 from .source import read_config, recorded_name, resolve_source, weights_hash
@@ -119,7 +119,8 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
                  with_hidden_states: bool = False, graph: str | None = None,
                  max_context: int | None = None, int4_compute: str = "fp32",
                  greedy_head: bool | None = None, greedy_candidates: int | None = None,
-                 draft_vocab: int | None = None, vocab_texts: list[str] | None = None) -> ExportResult:
+                 draft_vocab: int | None = None, vocab_texts: list[str] | None = None,
+                 hidden_layers: tuple[int, ...] | str = ()) -> ExportResult:
     """Export ``src`` (a local Hugging Face model directory, a hub id, or a GGUF file) into ``out``.
 
     ``graph`` is ``fused`` (rlxrt's own graph from the safetensors weights, no torch needed; the default for
@@ -135,6 +136,9 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
     ``greedy_head`` (None: on for fp32 fused graphs) adds input ``greedy`` and output ``next_ids``
     (``greedy_head.py``; ``greedy_candidates`` rows checked exactly, default 128). ``draft_vocab`` N makes a
     draft-only fused graph whose logits cover the N tokens ``vocab_texts`` use most (``draft_vocab.py``).
+    ``hidden_layers`` (fused graphs; implies ``with_hidden_states``) appends the residual stream after those
+    layers to ``hidden_states``, for a head that reads them (``fused.check_hidden_layers``; ``"auto"``: a low, a
+    middle and a high layer, ``fused.default_hidden_layers``).
     """
     variant = _variant(dtype, quantize)
     check_int4_compute(int4_compute, variant == "int4")  # before any work
@@ -160,6 +164,13 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
         vocab_ids = vocab_record = None
         if draft_vocab is not None:
             vocab_ids, vocab_record = _draft_vocab(kind, config, src_dir, final, draft_vocab, vocab_texts)
+        if hidden_layers == "auto":
+            hidden_layers = default_hidden_layers(int(config["num_hidden_layers"]))
+        hidden_layers = tuple(hidden_layers or ())
+        with_hidden_states = with_hidden_states or bool(hidden_layers)
+        if hidden_layers and kind != "fused":
+            raise ExportError("--hidden-layers is built into the fused graph (llama, mistral, qwen2, qwen3); drop it, "
+                              "or drop --graph portable")
         if kind == "fused":
             weights = steps.run("read", read_weights, src_dir)
             blocks = None
@@ -169,9 +180,10 @@ def export_model(src: str | os.PathLike, out: str | os.PathLike, *, runner: Runn
                              with_hidden=with_hidden_states, quantize=variant if variant in ("int4", "int8") else None,
                              dtype="float16" if variant == "float16" else "float32", int4_compute=int4_compute,
                              greedy_head=greedy_head, greedy_candidates=greedy_candidates, blocks=blocks,
-                             vocab_ids=vocab_ids)
+                             vocab_ids=vocab_ids, hidden_layers=hidden_layers)
             del weights, blocks
-            layout, task, family = fused_layout(spec, with_hidden_states), FUSED_TASK, FAMILIES["attention"]
+            layout, task, family = fused_layout(spec, with_hidden_states, hidden_layers), FUSED_TASK, \
+                FAMILIES["attention"]
             stack = _torch_stack() if validate_export else None
             torch, transformers = stack or (None, None)
         else:

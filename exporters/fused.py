@@ -427,7 +427,9 @@ class Builder(Nodes):
         last = "logits" if s.dtype == "float32" else "logits.compute"
         return self.to_float32(self.node("Unsqueeze", [out, self.const("axis0", [0])], last), "logits")
 
-    def build(self, with_hidden: bool):
+    def build(self, with_hidden: bool, hidden_layers: tuple[int, ...] = ()):
+        """The graph; ``with_hidden`` adds output ``hidden_states``: the LM head's input, then the residual
+        stream after each of ``hidden_layers`` (transformers' ``hidden_states[j]``), side by side."""
         s = self.spec
         self.weight("embed.weight", self.take("model.embed_tokens.weight"))
         cos, sin = rotary_caches(s)
@@ -445,13 +447,18 @@ class Builder(Nodes):
             n, residual = self.skip_norm(self.mlp(i, n), residual, "model.norm.weight" if last else
                                          f"model.layers.{i + 1}.input_layernorm.weight",
                                          "final_norm" if last else f"l{i + 1}.in_norm",
-                                         "hidden_states" if last and with_hidden and s.dtype == "float32" else None)
+                                         "hidden_states" if last and with_hidden and s.dtype == "float32"
+                                         and not hidden_layers else None)
         logits = self.logits(n)
-        if with_hidden and s.dtype != "float32":
+        if hidden_layers:  # the residual after layer j is the sum output of layer j's input norm
+            parts = [self.to_float32(n, "hidden_final")] + [self.to_float32(f"l{j}.in_norm.sum", f"residual{j}")
+                                                             for j in hidden_layers]
+            self.node("Concat", parts, "hidden_states", axis=-1)
+        elif with_hidden and s.dtype != "float32":
             self.to_float32(n, "hidden_states")
-        return self.model(logits, with_hidden)
+        return self.model(logits, with_hidden, len(hidden_layers))
 
-    def model(self, logits: str, with_hidden: bool):
+    def model(self, logits: str, with_hidden: bool, extra_hidden: int = 0):
         from onnx import TensorProto
 
         h, s = self.helper, self.spec
@@ -471,16 +478,18 @@ class Builder(Nodes):
             inputs += [h.make_tensor_value_info(n, kv_type, cache) for n in (pk, pv)]
             outputs += [h.make_tensor_value_info(n, kv_type, cache) for n in (ck, cv)]
         if with_hidden:
-            outputs.append(h.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [1, "sequence", s.hidden]))
+            outputs.append(h.make_tensor_value_info("hidden_states", TensorProto.FLOAT,
+                                                    [1, "sequence", s.hidden * (1 + extra_hidden)]))
         graph = h.make_graph(self.nodes, f"rlxrt_fused_{s.model_type}", inputs, outputs, self.inits)
         return h.make_model(graph, opset_imports=[h.make_opsetid("", OPSET), h.make_opsetid(MS, 1)], ir_version=10,
                             producer_name="rlxrt")
 
 
-def fused_layout(spec: Spec, with_hidden: bool) -> dict:
+def fused_layout(spec: Spec, with_hidden: bool, hidden_layers: tuple[int, ...] = ()) -> dict:
     """The manifest fields of a fused graph."""
     greedy = "greedy" if spec.greedy_head else None
-    return {"dtype": f"int{spec.bits}" if spec.bits else spec.dtype,
+    return {"hidden_layers": tuple(hidden_layers),
+            "dtype": f"int{spec.bits}" if spec.bits else spec.dtype,
             "quantization": dict(spec.quantization) if spec.quantization else None,
             "inputs": {**INPUTS, "greedy": greedy}, "kv_cache": spec.kv_layout(), "state": None,
             "outputs": {"logits": "logits", "hidden_states": "hidden_states" if with_hidden else None,
@@ -493,21 +502,44 @@ def build_graph(config: dict, weights: dict[str, np.ndarray], path: Path, *, cap
                 with_hidden: bool = False, quantize: str | None = None, dtype: str = "float32",
                 int4_compute: str = "fp32", greedy_head: bool | None = None,
                 greedy_candidates: int | None = None, blocks: dict | None = None,
-                vocab_ids: np.ndarray | None = None) -> Spec:
+                vocab_ids: np.ndarray | None = None, hidden_layers: tuple[int, ...] = ()) -> Spec:
     """Write the fused graph of ``config``/``weights`` to ``path`` (weights in ``path.name + '.data'``);
     ``quantize="int4"`` stores the MatMul weights as int4 blocks (``INT4``; ``int4_compute="int8"``:
     ``INT4_INT8``), a GGUF's own ``blocks`` where given (``gguf_blocks.matched``); ``vocab_ids`` makes a
-    draft-only graph whose logits cover those tokens (``draft_vocab.py``)."""
+    draft-only graph whose logits cover those tokens (``draft_vocab.py``); ``hidden_layers`` adds the residual
+    stream after those layers to output ``hidden_states`` (``check_hidden_layers``)."""
     import onnx
 
     spec = Spec(config, capacity, quantize, dtype, int4_compute, greedy_head, greedy_candidates, vocab_ids)
+    check_hidden_layers(hidden_layers, spec.layers, with_hidden)
     builder = Builder(spec, weights, blocks if spec.bits else None)
-    model = builder.build(with_hidden)
+    model = builder.build(with_hidden, tuple(hidden_layers))
     if builder.stored:
         spec.quantization = {**spec.quantization, "gguf": _stored_record(builder.stored)}
     onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
               location=path.name + ".data", size_threshold=1024)
     return spec
+
+
+def check_hidden_layers(layers, count: int, with_hidden: bool) -> None:
+    """ExportError unless ``layers`` are distinct, ascending layer counts in 1..count-1 (the residual stream after
+    that many layers: transformers' ``hidden_states[j]``) and the graph outputs its hidden states."""
+    layers = list(layers)
+    if not layers:
+        return
+    if not with_hidden:
+        raise ExportError("--hidden-layers adds residual streams to the hidden_states output: pass "
+                          "--with-hidden-states too")
+    if layers != sorted(set(layers)) or not all(1 <= j < count for j in layers):
+        raise ExportError(f"--hidden-layers {','.join(map(str, layers))}: give distinct layer counts in ascending "
+                          f"order, each in 1..{count - 1} (this model has {count} layers), e.g. "
+                          f"{','.join(map(str, default_hidden_layers(count)))}")
+
+
+def default_hidden_layers(count: int) -> tuple[int, ...]:
+    """A low, a middle and a high layer, as EAGLE-3 reads them (3, 15, 27 of SmolLM2's 30)."""
+    picks = sorted({min(max(j, 1), count - 1) for j in (count // 10, count // 2, count - 3)})
+    return tuple(j for j in picks if 1 <= j < count)
 
 
 def _stored_record(stored: dict[str, str]) -> dict:

@@ -8,6 +8,7 @@ ops where they exist::
     log a  = -softplus(-pre);  b = sigmoid(-pre) * v
     states = closed-form scan of s_t = a_t s_{t-1} + b_t          # [R, s, s] weights, lower triangle
     z      = [RMSNorm(h), e_last, state_last] @ W_z               # one MatMul for fuse and state_out
+                                                                  # (h: each residual stream normalised too)
     z      = z + down(silu(gate) * up)(RMSNorm(z))
     hid    = RMSNorm(z);  logits = hid @ W_out                    # the last position only
 
@@ -35,7 +36,7 @@ class HeadWeights:
 
     embed: np.ndarray           # [E, H] input embedding (E = V, or N + 1 when reduced)
     out: np.ndarray             # [N, H] output rows (the embedding itself when tied)
-    norms: dict                 # h, e, m, f -> [H]
+    norms: dict                 # h, e, m, f -> [H]; x0, x1, ... for the residual streams it reads
     fuse: np.ndarray            # [H, 2H]
     gate_in: np.ndarray         # [2R, H]
     gate_bias: np.ndarray       # [2R]
@@ -49,7 +50,10 @@ class HeadWeights:
     def from_state_dict(cls, sd: dict, eps: float) -> "HeadWeights":
         f = {k: v.detach().float().numpy() if hasattr(v, "detach") else np.asarray(v) for k, v in sd.items()}
         return cls(embed=f["embed"], out=f.get("unembed", f["embed"]),
-                   norms={n: f[f"norm_{n}.weight"] for n in "hemf"}, fuse=f["fuse.weight"],
+                   norms={**{n: f[f"norm_{n}.weight"] for n in "hemf"},
+                          **{f"x{i}": f[k] for i, k in enumerate(sorted((k for k in f if k.startswith("norm_x.")),
+                                                                        key=lambda k: int(k.split(".")[1])))}},
+                   fuse=f["fuse.weight"],
                    gate_in=f["gate_in.weight"], gate_bias=f["gate_in.bias"], state_out=f["state_out.weight"],
                    up=f["up.weight"], down=f["down.weight"],
                    slot=f["slot"].astype(np.int64) if "slot" in f else None, eps=eps)
@@ -108,8 +112,15 @@ def build_head_graph(w: HeadWeights, vocab_size: int, path: Path, quantize: str 
     end, axis1 = g.init("end", np.array([np.iinfo(np.int64).max], np.int64)), g.init("axis1", np.array([1], np.int64))
     e_last = g.node("Slice", [e, last, end, axis1], "e_last")
     s_last = g.node("Slice", [states, last, end, axis1], "state_last")
-    h = g.norm("hidden_states", w.norms["h"], "h", eps)
-    cat = g.node("Concat", [h, e_last, s_last], "mix_in", axis=-1)                     # [1, 1, 2H + R]
+    P = sum(1 for k in w.norms if k.startswith("x"))  # residual streams read beside the last hidden state
+    if P:  # [h | x0 | x1 ...]: each part normalised alone
+        g.node("Split", ["hidden_states", g.init("parts", np.array([H] * (1 + P), np.int64))],
+               ["hidden_last"] + [f"stream{i}" for i in range(P)], axis=-1)
+        parts = [g.norm("hidden_last", w.norms["h"], "h", eps)] + \
+            [g.norm(f"stream{i}", w.norms[f"x{i}"], f"x{i}", eps) for i in range(P)]
+    else:
+        parts = [g.norm("hidden_states", w.norms["h"], "h", eps)]
+    cat = g.node("Concat", [*parts, e_last, s_last], "mix_in", axis=-1)                # [1, 1, (2 + P)H + R]
     z = g.linear(cat, np.concatenate([w.fuse, w.state_out], axis=1), "z")
     gu = g.linear(g.norm(z, w.norms["m"], "m", eps), w.up, "gate_up")
     g.node("Split", [gu, g.init("mlp_halves", np.array([w.up.shape[0] // 2] * 2, np.int64))],
@@ -117,21 +128,25 @@ def build_head_graph(w: HeadWeights, vocab_size: int, path: Path, quantize: str 
     silu = g.node("Mul", ["mlp_gate", g.node("Sigmoid", ["mlp_gate"], "sig")], "silu")
     act = g.node("Mul", [silu, "mlp_up"], "act")
     down = g.linear(act, w.down, "down")
-    g.node("SkipSimplifiedLayerNormalization", [down, z, g.init("f.weight", w.norms["f"])], "hidden_out",
+    own_hidden = "hidden_own" if P else "hidden_out"
+    g.node("SkipSimplifiedLayerNormalization", [down, z, g.init("f.weight", w.norms["f"])], own_hidden,
            domain=MS, epsilon=eps)
+    if P:  # as wide as the input: its own state, then zeros where a target's streams would be
+        g.node("Concat", [own_hidden, g.init("no_streams", np.zeros((1, 1, P * H), np.float32))], "hidden_out",
+               axis=-1)
     if w.slot is None:
-        g.linear("hidden_out", w.out, "logits")
+        g.linear(own_hidden, w.out, "logits")
     else:  # N logits, then -inf for every token outside the subset: one Gather through the slot map
-        own = g.linear("hidden_out", w.out, "own_logits")
+        own = g.linear(own_hidden, w.out, "own_logits")
         padded = g.node("Concat", [own, g.init("minus_inf", np.full((1, 1, 1), -np.inf, np.float32))], "padded",
                         axis=-1)
         g.node("Gather", [padded, "slot"], "logits", axis=2)
     h_ = g.helper
     inputs = [h_.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "s"]),
-              h_.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [1, 1, H]),
+              h_.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [1, 1, H * (1 + P)]),
               h_.make_tensor_value_info("state", TensorProto.FLOAT, [R])]
     outputs = [h_.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 1, vocab_size]),
-               h_.make_tensor_value_info("hidden_out", TensorProto.FLOAT, [1, 1, H]),
+               h_.make_tensor_value_info("hidden_out", TensorProto.FLOAT, [1, 1, H * (1 + P)]),
                h_.make_tensor_value_info("states", TensorProto.FLOAT, ["s", R])]
     graph = h_.make_graph(g.nodes, "rlxrt_mtp_head", inputs, outputs, g.inits)
     model = h_.make_model(graph, opset_imports=[h_.make_opsetid("", OPSET), h_.make_opsetid(MS, 1)], ir_version=10,

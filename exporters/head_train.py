@@ -34,7 +34,8 @@ class TeacherData:
     tokens: np.ndarray
     """[n, T + 1] int64."""
     hidden: np.ndarray
-    """[n, T, H] float16: the target's hidden state after each of the first T tokens."""
+    """[n, T, F] float16: the target's hidden states after each of the first T tokens (its ``hidden_states``
+    output: the LM head's input, H wide, then any residual streams of ``hidden_layers``)."""
     lse: np.ndarray
     """[n, T] float32: log-sum-exp of the target's logits over the whole vocabulary at each position."""
 
@@ -49,15 +50,17 @@ def output_rows(hidden: np.ndarray, logits: np.ndarray) -> tuple[np.ndarray, flo
 
 
 def losses(torch, head, x, h, lse):
-    """x [B, T+1] ids, h [B, T, H], lse [B, T] -> (loss, first-step cross-entropy, chained, regression,
-    first-step argmax agreement with the target within the head's vocabulary)."""
+    """x [B, T+1] ids, h [B, T, F], lse [B, T] -> (loss, first-step cross-entropy, chained, regression,
+    first-step argmax agreement with the target within the head's vocabulary). ``h`` is the target's
+    ``hidden_states``: the LM head's input (H wide), then any residual streams the head reads."""
     F = torch.nn.functional
-    t_logp = h @ head.out_weight().t() - lse[..., None]             # log p of the head's tokens
+    last = h[..., :head.embed.shape[1]]                             # the LM head's input
+    t_logp = last @ head.out_weight().t() - lse[..., None]          # log p of the head's tokens
     e, log_a, b = head.gates(x[:, 1:-1])                           # x_{p+1} for p = 0..T-2
     states = head.scan_loop(log_a, b, torch.zeros(b.shape[0], b.shape[2]))
     logits1, hid1 = head.mix(h[:, :-1], e, states)                 # predicts x_{p+2}, imitates h_{p+1}
     ce1 = -(t_logp[:, 1:].exp() * F.log_softmax(logits1, -1)).sum(-1).mean()
-    reg = F.smooth_l1_loss(hid1, h[:, 1:])
+    reg = F.smooth_l1_loss(hid1, last[:, 1:])
     logits2, _ = head.mix(hid1[:, :-1], e[:, 1:], states[:, 1:])     # chained: own hidden, token x_{p+2}
     ce2 = -(t_logp[:, 2:].exp() * F.log_softmax(logits2, -1)).sum(-1).mean()
     agree = (logits1.argmax(-1) == t_logp[:, 1:].argmax(-1)).float().mean()

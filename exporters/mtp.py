@@ -18,12 +18,13 @@ round, or the next link of a chain; a prefill needs only the state), so the
 graph reads the hidden state of the last position and computes the output
 head there alone; the state path runs over every position.
 
-Graph interface (H = hidden size, R = state size)::
+Graph interface (H = hidden size, R = state size, F = H, or H * (1 + P) for a head that also reads P
+residual streams of the target: ``HeadConfig.hidden_layers``)::
 
     inputs   input_ids [1, s] int64        x_{p+1} for each fed position p
-             hidden_states [1, 1, H]       h_p of the LAST position (the target's, or the head's own)
+             hidden_states [1, 1, F]       h_p of the LAST position (the target's, or the head's own)
              state [R]                     the state before the first position
-    outputs  logits [1, 1, V], hidden_out [1, 1, H]   of the last position
+    outputs  logits [1, 1, V], hidden_out [1, 1, F]   of the last position (its own H, then zeros)
              states [s, R]                 the state after each position
 """
 from __future__ import annotations
@@ -60,6 +61,15 @@ class HeadConfig:
     rms_norm_eps: float = 1e-6
     draft_vocab: int = 0
     """Tokens the head drafts (its output layer's rows); 0: the whole vocabulary."""
+    hidden_layers: tuple[int, ...] = ()
+    """The target's layers whose residual stream it reads beside the last hidden state (the target's
+    ``hidden_layers``, ``rlxrt export --hidden-layers``): its ``hidden_states`` input is then
+    ``hidden_size * (1 + len)`` wide."""
+
+    @property
+    def input_size(self) -> int:
+        """The width of the hidden states it reads (and returns, its own followed by zeros)."""
+        return self.hidden_size * (1 + len(self.hidden_layers))
 
 
 def build_head(torch, cfg: HeadConfig, embedding, unembedding=None, vocab_ids=None, train_embedding=False):
@@ -73,7 +83,7 @@ def build_head(torch, cfg: HeadConfig, embedding, unembedding=None, vocab_ids=No
     ``train_embedding`` lets the input embedding learn (when it is an estimate, not the target's own)."""
     nn = torch.nn
     H, R, I = cfg.hidden_size, cfg.state_size, cfg.intermediate_size
-    V = cfg.vocab_size
+    V, P = cfg.vocab_size, len(cfg.hidden_layers)
 
     class RMSNorm(nn.Module):
         def __init__(self):
@@ -99,7 +109,9 @@ def build_head(torch, cfg: HeadConfig, embedding, unembedding=None, vocab_ids=No
                 self.register_buffer("slot", slot)
                 self.register_buffer("masked", torch.full((V,), float("-inf")))
             self.norm_h, self.norm_e, self.norm_m, self.norm_f = RMSNorm(), RMSNorm(), RMSNorm(), RMSNorm()
-            self.fuse = nn.Linear(2 * H, H, bias=False)
+            self.norm_x = nn.ModuleList(RMSNorm() for _ in cfg.hidden_layers)
+            """One norm for each residual stream it reads (EAGLE-3's low, middle and high features)."""
+            self.fuse = nn.Linear((2 + P) * H, H, bias=False)
             self.gate_in = nn.Linear(H, 2 * R)
             self.state_out = nn.Linear(R, H, bias=False)
             self.up = nn.Linear(H, 2 * I, bias=False)
@@ -113,8 +125,14 @@ def build_head(torch, cfg: HeadConfig, embedding, unembedding=None, vocab_ids=No
 
         def mix(self, h, e, states):
             """Everything after the recurrence: the predicted hidden state and the logits over the head's own
-            vocabulary (N tokens when reduced: ``full`` spreads them over the whole one)."""
-            z = self.fuse(torch.cat([self.norm_h(h), e], dim=-1)) + self.state_out(states)
+            vocabulary (N tokens when reduced: ``full`` spreads them over the whole one). ``h`` is the target's
+            hidden states (H, or H * (1 + P) with the residual streams), or the head's own H: the streams are
+            then zeros, as in the graph, whose ``hidden_out`` is its own state followed by zeros."""
+            parts = [self.norm_h(h[..., :H])]
+            if P:
+                parts += [torch.zeros_like(parts[0])] * P if h.shape[-1] == H else \
+                    [n(h[..., (i + 1) * H:(i + 2) * H]) for i, n in enumerate(self.norm_x)]
+            z = self.fuse(torch.cat([*parts, e], dim=-1)) + self.state_out(states)
             g, u = self.up(self.norm_m(z)).chunk(2, dim=-1)
             z = z + self.down(nn.functional.silu(g) * u)
             hid = self.norm_f(z)
@@ -143,7 +161,11 @@ def build_head(torch, cfg: HeadConfig, embedding, unembedding=None, vocab_ids=No
             e, log_a, b = self.gates(input_ids[0])                     # [s, H], [s, R], [s, R]
             states = closed_form_scan(torch, log_a, b, state)           # [s, R]
             logits, hid = self.mix(hidden_states[0], e[-1:], states[-1:])
-            return self.full(logits)[None], hid[None], states
+            return self.full(logits)[None], self.padded(hid)[None], states
+
+        def padded(self, hid):
+            """The head's own hidden state as wide as its input: followed by zeros for the streams it reads."""
+            return hid if not P else torch.cat([hid, hid.new_zeros(*hid.shape[:-1], P * H)], dim=-1)
 
     return MtpHead()
 
@@ -162,7 +184,8 @@ def head_manifest(cfg: HeadConfig, target: Manifest, validation: dict, quantize:
         tokenizer=None, versions=versions(),
         source={"task": "mtp-head", "config": asdict(cfg), "weights_stored_as": "int4" if quantize else "float16"},
         validation=validation,
-        draft_head={"kind": "mtp", "hidden_size": cfg.hidden_size, "target": _target_record(target),
+        draft_head={"kind": "mtp", "hidden_size": cfg.input_size, "target": _target_record(target),
+                    **({"hidden_layers": list(cfg.hidden_layers)} if cfg.hidden_layers else {}),
                     **({"draft_vocab": cfg.draft_vocab, "draft_vocab_ids": VOCAB_IDS} if cfg.draft_vocab else {})})
 
 
@@ -178,15 +201,15 @@ def validate_head(torch, head, run, tolerance: float = TOLERANCE["float32"], pro
     """ORT vs the torch head run sequentially (its training form): a prefill from zero state,
     then a step from the prefill's last state; the last position's logits and hidden output, and
     the states of all positions."""
-    H, R = head.embed.shape[1], head.state_out.in_features
+    F, R = head.fuse.in_features - head.embed.shape[1], head.state_out.in_features  # F: the input's width
     rng = np.random.default_rng(0)
     ids = rng.integers(0, head.vocab_size, size=(1, prompt_len + step_len), dtype=np.int64)
-    hidden = rng.standard_normal((1, prompt_len + step_len, H)).astype(np.float32)
+    hidden = rng.standard_normal((1, prompt_len + step_len, F)).astype(np.float32)
     with torch.no_grad():
         e, log_a, b = head.gates(torch.from_numpy(ids))
         states = head.scan_loop(log_a, b, torch.zeros(1, R))
         ref, ref_hid = head.mix(torch.from_numpy(hidden), e, states)
-        ref = head.full(ref)
+        ref, ref_hid = head.full(ref), head.padded(ref_hid)
     end = prompt_len + step_len
     a = run({"input_ids": ids[:, :prompt_len], "hidden_states": hidden[:, prompt_len - 1:prompt_len],
              "state": np.zeros(R, np.float32)})

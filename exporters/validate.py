@@ -109,12 +109,26 @@ def compare(prefill: np.ndarray, step: np.ndarray, ref: np.ndarray, tolerance: f
     }
 
 
-def hidden_diff(torch, model, ids: np.ndarray, *outs: dict) -> dict:
+def hidden_diff(torch, model, ids: np.ndarray, *outs: dict, layers: tuple[int, ...] = ()) -> dict:
     """``{"max_abs_diff_hidden": …}`` of the graph's ``hidden_states`` outputs (one dict per call, in order)
-    against transformers' last hidden state for ``ids``; empty when the graph has no such output."""
+    against transformers' last hidden state for ``ids``; empty when the graph has no such output. With
+    ``layers`` (``rlxrt export --hidden-layers``) the output goes on with transformers' ``hidden_states[j]`` of
+    each, compared as ``max_rel_diff_residuals``: the residual streams grow through the layers, so each one's
+    difference is taken relative to its largest value (at least 1)."""
     if "hidden_states" not in outs[0]:
         return {}
     with torch.no_grad():
-        ref = model.base_model(input_ids=torch.from_numpy(ids)).last_hidden_state.float().numpy()
-    got = np.concatenate([o["hidden_states"] for o in outs], axis=1).astype(np.float32)
-    return {"max_abs_diff_hidden": float(np.abs(got - ref).max())}
+        o = model.base_model(input_ids=torch.from_numpy(ids), output_hidden_states=bool(layers))
+    got = np.concatenate([o_["hidden_states"] for o_ in outs], axis=1).astype(np.float32)
+    ref = o.last_hidden_state.float().numpy()
+    width = ref.shape[-1]
+    if got.shape[-1] != width * (1 + len(layers)):  # not the width the manifest says: fails
+        return {"max_abs_diff_hidden": float("inf")}
+    record = {"max_abs_diff_hidden": float(np.abs(got[..., :width] - ref).max())}
+    if layers:
+        rel = []
+        for i, j in enumerate(layers, start=1):
+            part = o.hidden_states[j].float().numpy()
+            rel.append(float(np.abs(got[..., i * width:(i + 1) * width] - part).max()) / max(1.0, float(np.abs(part).max())))
+        record["max_rel_diff_residuals"] = max(rel)
+    return record

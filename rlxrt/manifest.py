@@ -115,8 +115,9 @@ class Manifest:
     """``portable`` (optimum's graph: past in, a longer present out, all logits rows) or ``fused`` (rlxrt's
     own graph: GroupQueryAttention over a shared KV buffer, logits for the last ``num_logits`` rows)."""
     draft_head: dict[str, Any] | None = None
-    """For a draft head (not a language model): ``kind`` (``mtp``), ``hidden_size`` and the ``target``
-    it was trained on (``path_or_id``, ``weights_sha256``); None for a model."""
+    """For a draft head (not a language model): ``kind`` (``mtp``), ``hidden_size`` (the width of the target's
+    ``hidden_states`` it reads), the ``target`` it was trained on (``path_or_id``, ``weights_sha256``) and the
+    target's ``hidden_layers`` it reads (absent: none); None for a model."""
     draft_vocab: dict[str, Any] | None = None
     """A draft-only export whose logits cover N tokens of the vocabulary (``rlxrt export --draft-vocab N``):
     ``size`` (N), ``ids`` (file name of the JSON list of those token ids, ascending: logit column j is token
@@ -126,11 +127,16 @@ class Manifest:
     """The chat template of an instruct model, or None: ``template`` (file name of the Jinja template),
     ``bos_token`` and ``eos_token`` (the strings a template may use) and ``end_of_turn_ids`` (tokens that end
     a reply: the model's EOS ids and the tokenizer's ``eos_token``, e.g. ``<|im_end|>``)."""
+    hidden_layers: tuple[int, ...] = ()
+    """With a ``hidden_states`` output: the layers whose residual stream follows the LM head's input in it
+    (transformers' ``hidden_states[j]``, j layers in), each as wide as the hidden size; () for the LM head's
+    input alone (``rlxrt export --hidden-layers``, read by an MTP head trained on them)."""
     schema: str = SCHEMA
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["eos_token_ids"] = list(self.eos_token_ids)
+        out["hidden_layers"] = list(self.hidden_layers)
         return out
 
     def write(self, directory: str | os.PathLike) -> Path:

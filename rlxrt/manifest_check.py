@@ -122,7 +122,8 @@ def parse(cls, data: Any, where: str):
                                "re-export the model with this version of rlxrt")
     known = {"architecture", "model_type", "vocab_size", "max_positions", "graph", "dtype", "inputs", "outputs",
              "kv_cache", "bos_token_id", "eos_token_ids", "pad_token_id", "tokenizer", "source", "versions",
-             "validation", "state", "draft_head", "graph_kind", "quantization", "chat", "draft_vocab", "schema"}
+             "validation", "state", "draft_head", "graph_kind", "quantization", "chat", "draft_vocab", "hidden_layers",
+             "schema"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ModelFormatError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))} for schema {SCHEMA} "
@@ -165,9 +166,10 @@ def parse(cls, data: Any, where: str):
         state = StateLayout(tuple(parsed), st.integer("max_tokens_per_call", 1))
     head = f.table("draft_head", required=False)
     if head is not None:
-        hf = f.sub("draft_head", ("kind", "hidden_size", "target", "draft_vocab", "draft_vocab_ids"))
+        hf = f.sub("draft_head", ("kind", "hidden_size", "target", "draft_vocab", "draft_vocab_ids", "hidden_layers"))
         hf.text("kind")
         hf.integer("hidden_size", 1)
+        _layers(hf, "hidden_layers", None)
         hf.integer("draft_vocab", 1, vocab, required=False)
         hf.text("draft_vocab_ids", required=False, file_name=True)
         if hf.get("target", required=False) is not None:
@@ -184,6 +186,11 @@ def parse(cls, data: Any, where: str):
     if kv is None and state is None:
         raise ModelFormatError(f"{where}: the manifest declares neither a KV cache ('kv_cache') nor recurrent "
                                f"state ('state'); {FIX}")
+    outputs = f.names("outputs", ("logits",))
+    hidden_layers = _layers(f, "hidden_layers", kv.layers if kv is not None else None)
+    if hidden_layers and not outputs.get("hidden_states"):
+        raise ModelFormatError(f"{where}: field 'hidden_layers' describes the 'hidden_states' output, and "
+                               f"'outputs.hidden_states' is absent; {FIX}")
     kind = f.choice("graph_kind", GRAPH_KINDS) if "graph_kind" in data else "portable"
     if kind == "fused" and (kv is None or kv.capacity is None):
         raise ModelFormatError(f"{where}: a fused graph needs field 'kv_cache.capacity' (its KV buffer length); {FIX}")
@@ -197,7 +204,7 @@ def parse(cls, data: Any, where: str):
     return cls(
         architecture=f.text("architecture"), model_type=f.text("model_type"), vocab_size=vocab,
         max_positions=f.integer("max_positions", 1), graph=f.text("graph", file_name=True),
-        dtype=f.choice("dtype", DTYPES), inputs=inputs, outputs=f.names("outputs", ("logits",)), kv_cache=kv,
+        dtype=f.choice("dtype", DTYPES), inputs=inputs, outputs=outputs, kv_cache=kv,
         bos_token_id=f.integer("bos_token_id", required=False, **token),
         eos_token_ids=tuple(f.integer(f"eos_token_ids[{i}]", value=t, **token) for i, t in enumerate(eos)),
         pad_token_id=f.integer("pad_token_id", 0, required=False),
@@ -205,7 +212,17 @@ def parse(cls, data: Any, where: str):
         source=_source(f), versions=f.table("versions", required=False) or {},
         validation=f.table("validation", required=False) or {}, state=state, draft_head=head, graph_kind=kind,
         quantization=f.table("quantization", required=False), chat=chat, draft_vocab=draft_vocab,
-        schema=schema)
+        hidden_layers=hidden_layers, schema=schema)
+
+
+def _layers(f: "_Fields", key: str, layers: int | None) -> tuple[int, ...]:
+    """A list of layer counts, distinct and ascending, each below ``layers`` when known; () when absent."""
+    v = f.get(key, required=False) or []
+    if not isinstance(v, list) or not all(isinstance(j, int) and not isinstance(j, bool) for j in v) \
+            or v != sorted(set(v)) or any(j < 1 or (layers is not None and j >= layers) for j in v):
+        span = f"1..{layers - 1}" if layers is not None else ">= 1"
+        raise f.fail(key, f"a list of distinct layer counts in ascending order, each in {span}", v)
+    return tuple(v)
 
 
 def _chat(f: "_Fields", token: dict) -> dict:

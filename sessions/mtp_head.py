@@ -59,6 +59,13 @@ class MtpHead(ModelSpeculator):
                 f"{trained_on[:12]}…, but the target's weights hash is {actual[:12]}…; a head drafts well only "
                 "for its own target: train one for this target, or pass the target it was trained for")
         check_same_vocabulary(target, self.model)
+        reads = tuple(self.model.manifest.draft_head.get("hidden_layers") or ())
+        if reads != tuple(target.manifest.hidden_layers):
+            raise GenerationError(
+                f"this MTP head reads the residual streams of layers {list(reads)} beside the target's last hidden "
+                f"state, and the target {target.graph.path.parent} outputs those of {list(target.manifest.hidden_layers)}; "
+                f"re-export the target with --hidden-layers {','.join(map(str, reads)) or '(none)'}, or use a head "
+                "trained on what it outputs")
         size = target.fetch_hidden()
         if size not in (-1, self.hidden_size):
             raise GenerationError(f"the MTP head reads hidden states of size {self.hidden_size}, the target's are "

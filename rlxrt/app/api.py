@@ -10,7 +10,8 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32
            report: Callable[[str], None] | None = None, with_hidden_states: bool = False,
            graph: str | None = None, max_context: int | None = None, int4_compute: str = "fp32",
            greedy_head: bool | None = None, greedy_candidates: int | None = None,
-           draft_vocab: int | None = None, vocab_corpus: list[str | os.PathLike] | None = None):
+           draft_vocab: int | None = None, vocab_corpus: list[str | os.PathLike] | None = None,
+           hidden_layers: list[int] | str | None = None):
     """Export a Hugging Face causal LM (local directory or hub id) to an rlxrt model directory.
 
     Returns ``rlxrt.exporters.ExportResult`` (path, manifest, seconds per step).
@@ -27,7 +28,10 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32
     rows it computes exactly: fewer cost less and send more rows to the full Gemm. ``draft_vocab`` N (with
     ``vocab_corpus``: text files, directories or .json lists of texts) makes a draft-only fused graph whose
     logits cover the N tokens that text uses most: a cheaper draft step, exact output all the same (it is
-    refused as a target).
+    refused as a target). ``hidden_layers`` (a list of layer counts, or ``"auto"`` for a low, a middle and a high
+    layer) appends the residual stream after those layers to the ``hidden_states`` output (it implies
+    ``with_hidden_states``), for an MTP head that reads them (``rlxrt train-head`` trains one on what the output
+    holds).
     """
     from rlxrt.checks import as_bool, as_float, as_int
     from rlxrt.errors import ExportError
@@ -47,6 +51,10 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32
             texts = [t for _, t in documents([str(p) for p in vocab_corpus], "--vocab-corpus", at_least=1)]
     elif vocab_corpus:
         raise ExportError("--vocab-corpus is counted for --draft-vocab N; pass both, or neither")
+    if hidden_layers is not None and hidden_layers != "auto":
+        if isinstance(hidden_layers, (str, bytes)) or not hasattr(hidden_layers, "__iter__"):
+            raise ExportError(f"hidden_layers must be a list of layer counts or 'auto', got {hidden_layers!r}")
+        hidden_layers = tuple(as_int(j, "hidden_layers", error=ExportError) for j in hidden_layers)
     from rlxrt.exporters import export_model
 
     return export_model(src, out, runner=runner, dtype=dtype, quantize=quantize, force=force,
@@ -56,7 +64,7 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32
                         greedy_head=None if greedy_head is None else as_bool(greedy_head, "greedy_head", ExportError),
                         greedy_candidates=None if greedy_candidates is None else
                         as_int(greedy_candidates, "greedy_candidates", 1, error=ExportError),
-                        draft_vocab=draft_vocab, vocab_texts=texts)
+                        draft_vocab=draft_vocab, vocab_texts=texts, hidden_layers=hidden_layers or ())
 
 
 def runner(graph_path: str | os.PathLike) -> Callable[[dict], dict]:

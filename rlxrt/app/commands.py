@@ -12,6 +12,17 @@ from rlxrt.files import read_json, read_text
 from .speculators import KINDS as SPECULATOR_KINDS
 
 
+def _hidden_layers(text: str | None) -> list[int] | str | None:
+    """``--hidden-layers``: None, ``auto`` or comma-separated layer counts."""
+    if text is None or text == "auto":
+        return text
+    try:
+        return [int(j) for j in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--hidden-layers takes comma-separated layer counts (e.g. 3,15,27) or auto, got "
+                         f"{text!r}") from None
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from .api import export
 
@@ -26,7 +37,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                  validate=not args.no_validate, atol=args.atol, report=report,
                  with_hidden_states=args.with_hidden_states, graph=args.graph, max_context=args.max_context,
                  int4_compute=args.int4_compute, greedy_head=args.greedy_head, draft_vocab=args.draft_vocab,
-                 vocab_corpus=args.vocab_corpus)
+                 vocab_corpus=args.vocab_corpus, hidden_layers=_hidden_layers(args.hidden_layers))
     m = res.manifest
     v = m.validation
     if args.json:
@@ -352,6 +363,10 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("--max-context", type=int, help="fused graphs: KV buffer length (default: the model's max positions)")
     p.add_argument("--with-hidden-states", action="store_true",
                    help="also output the last hidden state (needed by an MTP head drafting for this target)")
+    p.add_argument("--hidden-layers", nargs="?", const="auto", metavar="L,L,...",
+                   help="fused graphs: hidden_states also holds the residual stream after these layers (default: "
+                        "auto, a low, a middle and a high layer), for an MTP head that reads them; implies "
+                        "--with-hidden-states")
     p.add_argument("--quiet", action="store_true", help="no step report")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
 

@@ -145,7 +145,11 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     say(f"train-head: {len(train_docs)} training / {len(held_docs)} held-out documents, {windows * WINDOW} "
         f"training tokens; draft vocabulary {n or V} of {V}")
     model = decoder_for(graph)
-    hidden_size = model.fetch_hidden()
+    width = model.fetch_hidden()  # the LM head's input, then the residual streams of m.hidden_layers
+    hidden_size = width // (1 + len(m.hidden_layers))
+    if m.hidden_layers:
+        say(f"train-head: the head reads the residual streams after layers {', '.join(map(str, m.hidden_layers))} "
+            "too")
     data, held, fit_h, fit_l = _teacher_outputs(args, graph, model, stream[:windows * WINDOW + 1],
                                                 held_stream[:held_windows * WINDOW + 1], vocab_ids, hidden_size, say)
     return _train_and_export(args, torch, graph, config, m, data, held, fit_h, fit_l, vocab_ids, hidden_size, say)
@@ -188,14 +192,15 @@ def _train_and_export(args, torch, graph, config, m, data, held, fit_h, fit_l, v
     if len(fit_h) < hidden_size:
         raise UsageError(f"the corpus is too small to recover the target's output rows ({len(fit_h)} positions, "
                          f"{hidden_size} needed); pass more text")
-    w, err = output_rows(fit_h, fit_l)
+    w, err = output_rows(fit_h[:, :hidden_size], fit_l)
     if err > 1e-3:
         raise UsageError(f"the target's logits are not a linear function of its hidden_states output (relative "
                          f"error {err:.2g}); train-head needs hidden_states to be the LM head's input")
     torch.set_num_threads(max(1, args.threads or 2))
     torch.manual_seed(args.seed)
     n = 0 if vocab_ids is None else len(vocab_ids)
-    cfg = HeadConfig(hidden_size=hidden_size, vocab_size=m.vocab_size, intermediate_size=args.mlp_size, draft_vocab=n)
+    cfg = HeadConfig(hidden_size=hidden_size, vocab_size=m.vocab_size, intermediate_size=args.mlp_size, draft_vocab=n,
+                     hidden_layers=tuple(m.hidden_layers))
     t = torch.from_numpy
     if vocab_ids is None:  # the full vocabulary: its recovered rows, frozen, in and out (a tied target's exactly)
         head = build_head(torch, cfg, t(w))
