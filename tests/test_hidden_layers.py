@@ -70,6 +70,12 @@ def test_hidden_layers_refusals(exported, tmp_path, capsys):
     assert "--hidden-layers takes comma-separated layer counts" in capsys.readouterr().err
 
 
+def test_inspect_names_the_streams(layered, capsys):
+    assert main(["inspect", str(layered)]) == 0
+    out = capsys.readouterr().out
+    assert "hidden_states also holds the residual streams after layers [1, 2]" in out and "[1, 'sequence', 192]" in out
+
+
 def test_manifest_checks_hidden_layers(layered):
     from rlxrt.manifest import Manifest
 

@@ -96,8 +96,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         m = info["manifest"]
         dv = m.get("draft_vocab")
         drafts = f" (a draft-only export: logits over {dv['size']} of them)" if dv else ""
+        layers = m.get("hidden_layers") or (m.get("draft_head") or {}).get("hidden_layers")
+        streams = f"; hidden_states also holds the residual streams after layers {layers}" if layers else ""
         print(f"manifest: {m['architecture']} ({m['model_type']}), vocab {m['vocab_size']}{drafts}, "
-              f"max positions {m['max_positions']}, dtype {m['dtype']}")
+              f"max positions {m['max_positions']}, dtype {m['dtype']}{streams}")
     return 0
 
 
