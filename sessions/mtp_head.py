@@ -43,6 +43,7 @@ class MtpHead(ModelSpeculator):
                                    "'mtp'); pass a model directory to DraftModel instead")
         self.model = StateModel(graph)
         self.hidden_size = int(m.draft_head["hidden_size"])
+        self.width = self.hidden_size
         self.set_min_prob(min_prob)
         self.reset()
 
@@ -60,16 +61,20 @@ class MtpHead(ModelSpeculator):
                 "for its own target: train one for this target, or pass the target it was trained for")
         check_same_vocabulary(target, self.model)
         reads = tuple(self.model.manifest.draft_head.get("hidden_layers") or ())
-        if reads != tuple(target.manifest.hidden_layers):
+        outputs = tuple(target.manifest.hidden_layers)
+        if reads and reads != outputs:
             raise GenerationError(
                 f"this MTP head reads the residual streams of layers {list(reads)} beside the target's last hidden "
-                f"state, and the target {target.graph.path.parent} outputs those of {list(target.manifest.hidden_layers)}; "
-                f"re-export the target with --hidden-layers {','.join(map(str, reads)) or '(none)'}, or use a head "
-                "trained on what it outputs")
+                f"state, and the target {target.graph.path.parent} outputs those of {list(outputs)}; re-export the "
+                f"target with --hidden-layers {','.join(map(str, reads))}, or use a head trained on what it outputs")
+        last = self.hidden_size // (1 + len(reads))  # the width of the LM head's input
+        self.width = self.hidden_size if reads else last
+        """The columns of the target's hidden_states the head reads: all of them, or the LM head's input alone
+        (a head that reads only the last hidden state binds to a target that outputs residual streams too)."""
         size = target.fetch_hidden()
-        if size not in (-1, self.hidden_size):
-            raise GenerationError(f"the MTP head reads hidden states of size {self.hidden_size}, the target's are "
-                                  f"{size}; use the head trained for this target")
+        if size not in (-1, last * (1 + len(outputs))):
+            raise GenerationError(f"the MTP head reads hidden states of size {last}, the target's are "
+                                  f"{size // (1 + len(outputs))}; use the head trained for this target")
 
     def reset(self) -> None:
         self.model.reset()
@@ -85,8 +90,8 @@ class MtpHead(ModelSpeculator):
                                   f"before the pending token, got {None if h is None else len(h)} rows; bind the "
                                   "head to a Session whose target was exported with --with-hidden-states")
         if n > 2:
-            self.model.forward(ctx.tokens[1:n - 1], h[n - 3:n - 2])  # only the state is used
-        self.last = h[n - 2:n - 1]
+            self.model.forward(ctx.tokens[1:n - 1], h[n - 3:n - 2, :self.width])  # only the state is used
+        self.last = h[n - 2:n - 1, :self.width]
 
     def propose(self, ctx: Context, k: int) -> DraftProposal:
         m = self.model
@@ -101,4 +106,4 @@ class MtpHead(ModelSpeculator):
             raise GenerationError("the target returned no hidden states; bind the head before generating")
         self.model.commit(min(len(ctx.tokens) - 2, self.model.length))
         j = len(decision.tokens) - 1  # the verify row that produced the new pending token
-        self.last = verify.hidden[j:j + 1]
+        self.last = verify.hidden[j:j + 1, :self.width]

@@ -118,3 +118,24 @@ def test_a_head_reading_the_streams_trains_binds_and_stays_exact(layered, export
         assert g.token_ids == plain.token_ids and g.stats.drafted > 0
     with pytest.raises(GenerationError, match="re-export the target with --hidden-layers 1,2"):
         Session(exported("llama", with_hidden=True, layers=4), MtpHead(out, CFG), CFG)  # same weights, no streams
+
+
+def test_a_head_of_the_last_state_alone_reads_those_columns_of_a_layered_target(layered, exported, tmp_path):
+    """A head trained without the streams binds to a target that outputs them and drafts exactly as it does on
+    the same weights exported without them: it reads the LM head's input, the first H columns."""
+    from test_mtp import make_head
+
+    from rlxrt.sessions import MtpHead, Session
+
+    last_only = exported("llama", with_hidden=True, layers=4)
+    head = make_head(last_only, exported.source("llama", layers=4), tmp_path / "head")
+    plain = Session(layered, None, CFG).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+    heads = [MtpHead(head, CFG), MtpHead(head, CFG)]
+    runs = [Session(t, h, CFG, k=3).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+            for t, h in zip((last_only, layered), heads)]
+    assert runs[0].token_ids == runs[1].token_ids == plain.token_ids
+    assert runs[0].stats.drafted > 0
+    assert heads[1].last.shape == heads[0].last.shape == (1, 64)
+    np.testing.assert_allclose(heads[1].last, heads[0].last, atol=1e-5)
+    for field in ("drafted_per_position", "accepted_per_position"):  # the same proposals, the same acceptance
+        assert getattr(runs[0].stats, field) == getattr(runs[1].stats, field)
