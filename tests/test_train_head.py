@@ -185,6 +185,32 @@ def test_more_text_reuses_the_windows_the_cache_holds(llama, corpus, tmp_path, m
     assert teacher.known_windows(tmp_path / "head" / ".train", other) == {}
 
 
+def test_eval_prompts_measure_the_head_on_chat_requests(exported, corpus, tmp_path):
+    """`--eval-prompts FILE`: the finished head is also measured on these requests, each a user turn through
+    the target's chat template, and the report's figures are what a Session with the head gives on them."""
+    from test_chat import CHATML
+
+    from rlxrt.sessions import MtpHead, Session
+
+    model = exported("llama", seed=3, chat_template=CHATML, with_hidden=True)
+    requests = ["def add(a, b):", "Write a loop.", "class Stack:"]
+    (tmp_path / "requests.json").write_text(json.dumps(requests))
+    assert main(["train-head", str(model), "--corpus", str(corpus), "--out", str(tmp_path / "head"), "--steps", "5",
+                 "--batch", "2", "--max-tokens", "3000", "--threads", "1", "--quiet",
+                 "--eval-prompts", str(tmp_path / "requests.json")]) == 0
+    report = json.loads((tmp_path / "head" / "train_report.json").read_text())
+    assert report["eval_prompts"] == 3 and report["eval_measured_with"].startswith("greedy, k=4, chat requests")
+    session = Session(model, MtpHead(tmp_path / "head", CFG), CFG, k=4)
+    drafted, accepted = np.zeros(4), np.zeros(4)
+    for text in requests:
+        stats = session.chat([{"role": "user", "content": text}], max_new_tokens=128).stats
+        drafted[:len(stats.drafted_per_position)] += stats.drafted_per_position
+        accepted[:len(stats.accepted_per_position)] += stats.accepted_per_position
+    assert drafted[0] > 0
+    assert report["eval_acceptance_per_position"] == [round(float(a / d), 4) if d else 0.0
+                                                      for a, d in zip(accepted, drafted)]
+
+
 def test_train_head_usage_errors(exported, corpus, tmp_path, capsys):
     no_hidden = exported("llama")
     assert main(["train-head", str(no_hidden), "--corpus", str(corpus), "--out", str(tmp_path / "h")]) == 2
@@ -199,6 +225,9 @@ def test_train_head_usage_errors(exported, corpus, tmp_path, capsys):
     assert main(["train-head", str(exported("llama", with_hidden=True)), "--corpus", str(corpus),
                  "--out", str(tmp_path / "h2"), "--steps", "5", "--resume", "--quiet"]) == 1
     assert "no checkpoint" in capsys.readouterr().err
+    assert main(["train-head", str(exported("llama", with_hidden=True)), "--corpus", str(corpus),
+                 "--out", str(tmp_path / "h3"), "--eval-prompts", str(tmp_path / "missing.json")]) == 2
+    assert "--eval-prompts" in capsys.readouterr().err and not (tmp_path / "h3").exists()  # before the target ran
 
 
 def test_fit_summary_advises_more_text_when_the_head_overfits():

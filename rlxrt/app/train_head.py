@@ -21,6 +21,7 @@ import numpy as np
 from rlxrt.errors import UsageError
 from rlxrt.files import read_json, read_text
 
+from .distill import read_prompts
 from .teacher import WINDOW
 
 DEFAULT_DRAFT_VOCAB = 4096
@@ -54,6 +55,10 @@ def add_train_head(add, runtime_flags) -> None:
                         "cheaper a step, see README) or none (float32)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/.train/checkpoint.pt (at the last "
                                                         "step: only export again, e.g. with another --quantize)")
+    p.add_argument("--eval-prompts", metavar="FILE",
+                   help="requests (a .json list, or one per line) the finished head is also measured on, greedy, "
+                        "k=4, each a user turn through the target's chat template when it has one: the prompts you "
+                        "will serve predict a chat bench better than windows of held-out documents")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     runtime_flags(p, threads=2)
 
@@ -110,6 +115,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
             raise UsageError(f"{flag} must be >= {low}, got {value}")
     if not (0 < args.heldout < 1) or not (math.isfinite(args.lr) and args.lr > 0):
         raise UsageError(f"--heldout must be in (0, 1) and --lr positive, got {args.heldout} and {args.lr}")
+    requests = read_prompts(args.eval_prompts, "--eval-prompts") if args.eval_prompts else []
     try:
         import torch
     except ImportError:
@@ -152,7 +158,8 @@ def cmd_train_head(args: argparse.Namespace) -> int:
             "too")
     data, held, fit_h, fit_l = _teacher_outputs(args, graph, model, stream[:windows * WINDOW + 1],
                                                 held_stream[:held_windows * WINDOW + 1], vocab_ids, hidden_size, say)
-    return _train_and_export(args, torch, graph, config, m, data, held, fit_h, fit_l, vocab_ids, hidden_size, say)
+    return _train_and_export(args, torch, graph, config, m, data, held, fit_h, fit_l, vocab_ids, hidden_size, say,
+                             requests)
 
 
 def _teacher_outputs(args, graph, model, stream, held_stream, vocab_ids, hidden_size, say):
@@ -183,7 +190,7 @@ def _teacher_outputs(args, graph, model, stream, held_stream, vocab_ids, hidden_
 
 
 def _train_and_export(args, torch, graph, config, m, data, held, fit_h, fit_l, vocab_ids, hidden_size,
-                      say) -> int:
+                      say, requests: list[str]) -> int:
     from rlxrt.exporters.head_train import fit_summary, output_rows, train, write_log
     from rlxrt.exporters.mtp import HeadConfig, build_head, write_head
 
@@ -222,6 +229,8 @@ def _train_and_export(args, torch, graph, config, m, data, held, fit_h, fit_l, v
     write_log(log, out / ".train" / "log.jsonl")
     manifest = write_head(torch, head, cfg, m, out, runner, None if args.quantize == "none" else args.quantize)
     measured = measure(graph, out, held, config)
+    if requests:
+        measured |= measure_requests(graph, out, requests, config)
     record = {"draft_vocab": n or m.vocab_size, "quantize": args.quantize, "steps": args.steps,
               "output_rows_error": err,
               "heldout": log[-1].get("heldout"), "fit": fit_summary(log), "validation": manifest.validation,
@@ -239,12 +248,31 @@ def measure(graph, head_dir: Path, held, config, prompts: int = 8, prompt_len: i
     from rlxrt.sessions import MtpHead, Session
 
     session = Session(graph, MtpHead(head_dir, config), config, k=4)
+    runs = [session.generate(w[:prompt_len].tolist(), max_new_tokens=new_tokens, ignore_eos=True)
+            for w in held.tokens[:prompts]]
+    return {"heldout_acceptance_per_position": _per_position(runs), "heldout_prompts": len(runs),
+            "acceptance_measured_with": f"greedy, k=4, {prompt_len}-token prompts, {new_tokens} new tokens"}
+
+
+def measure_requests(graph, head_dir: Path, requests: list[str], config, new_tokens: int = 128) -> dict:
+    """Greedy acceptance per draft position (k = 4) of the head on ``requests``, each a user turn through the
+    target's chat template when it has one (a reply ends at its end of turn), else a plain prompt."""
+    from rlxrt.sessions import MtpHead, Session
+
+    session = Session(graph, MtpHead(head_dir, config), config, k=4)
+    chat = session.has_chat_template
+    runs = [session.chat([{"role": "user", "content": text}], max_new_tokens=new_tokens) if chat
+            else session.generate(text, max_new_tokens=new_tokens) for text in requests]
+    return {"eval_acceptance_per_position": _per_position(runs), "eval_prompts": len(runs),
+            "eval_measured_with": f"greedy, k=4, {'chat requests' if chat else 'prompts'}, up to {new_tokens} "
+                                  "new tokens"}
+
+
+def _per_position(runs) -> list[float]:
+    """Accepted / drafted at each of the 4 draft positions over ``runs`` (Generations)."""
     drafted, accepted = np.zeros(4), np.zeros(4)
-    for w in held.tokens[:prompts]:
-        g = session.generate(w[:prompt_len].tolist(), max_new_tokens=new_tokens, ignore_eos=True)
+    for g in runs:
         d, a = g.stats.drafted_per_position, g.stats.accepted_per_position
         drafted[:len(d)] += d
         accepted[:len(a)] += a
-    per_pos = [round(float(a / d), 4) if d else 0.0 for a, d in zip(accepted, drafted)]
-    return {"heldout_acceptance_per_position": per_pos, "heldout_prompts": int(min(prompts, len(held.tokens))),
-            "acceptance_measured_with": f"greedy, k=4, {prompt_len}-token prompts, {new_tokens} new tokens"}
+    return [round(float(a / d), 4) if d else 0.0 for a, d in zip(accepted, drafted)]
