@@ -142,7 +142,7 @@ def test_no_template_is_a_clear_error(capsys):
 def test_distill_writes_the_targets_own_dialogues_and_continues(exported, tmp_path, capsys):
     """`rlxrt distill`: each document is the rendered user turn plus the target's reply (greedy and seeded
     sampled, as Session.chat gives them), the end-of-turn token when the reply ended with it; a second run
-    continues after the documents already written; train-head reads the result as a corpus."""
+    continues after the documents already written; a refused run leaves the corpus alone."""
     from rlxrt.app.cli import main
     from rlxrt.sessions import PromptLookup, Session
 
