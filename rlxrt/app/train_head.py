@@ -228,9 +228,10 @@ def _train_and_export(args, torch, graph, config, m, data, held, fit_h, fit_l, v
                 checkpoint=out / ".train" / "checkpoint.pt", resume=args.resume, report=report)
     write_log(log, out / ".train" / "log.jsonl")
     manifest = write_head(torch, head, cfg, m, out, runner, None if args.quantize == "none" else args.quantize)
-    measured = measure(graph, out, held, config)
-    if requests:
-        measured |= measure_requests(graph, out, requests, config)
+    from rlxrt.sessions import MtpHead, Session
+
+    session = Session(graph, MtpHead(out, config), config, k=4)
+    measured = measure(session, held) | (measure_requests(session, requests) if requests else {})
     record = {"draft_vocab": n or m.vocab_size, "quantize": args.quantize, "steps": args.steps,
               "output_rows_error": err,
               "heldout": log[-1].get("heldout"), "fit": fit_summary(log), "validation": manifest.validation,
@@ -242,24 +243,18 @@ def _train_and_export(args, torch, graph, config, m, data, held, fit_h, fit_l, v
     return 0
 
 
-def measure(graph, head_dir: Path, held, config, prompts: int = 8, prompt_len: int = 64,
-            new_tokens: int = 48) -> dict:
-    """Greedy acceptance per draft position (k = 4) of the head on held-out windows, through a Session."""
-    from rlxrt.sessions import MtpHead, Session
-
-    session = Session(graph, MtpHead(head_dir, config), config, k=4)
+def measure(session, held, prompts: int = 8, prompt_len: int = 64, new_tokens: int = 48) -> dict:
+    """Greedy acceptance per draft position of ``session`` (the target with the head, k = 4) on held-out
+    windows."""
     runs = [session.generate(w[:prompt_len].tolist(), max_new_tokens=new_tokens, ignore_eos=True)
             for w in held.tokens[:prompts]]
     return {"heldout_acceptance_per_position": _per_position(runs), "heldout_prompts": len(runs),
             "acceptance_measured_with": f"greedy, k=4, {prompt_len}-token prompts, {new_tokens} new tokens"}
 
 
-def measure_requests(graph, head_dir: Path, requests: list[str], config, new_tokens: int = 128) -> dict:
-    """Greedy acceptance per draft position (k = 4) of the head on ``requests``, each a user turn through the
+def measure_requests(session, requests: list[str], new_tokens: int = 128) -> dict:
+    """Greedy acceptance per draft position of ``session`` (k = 4) on ``requests``, each a user turn through the
     target's chat template when it has one (a reply ends at its end of turn), else a plain prompt."""
-    from rlxrt.sessions import MtpHead, Session
-
-    session = Session(graph, MtpHead(head_dir, config), config, k=4)
     chat = session.has_chat_template
     runs = [session.chat([{"role": "user", "content": text}], max_new_tokens=new_tokens) if chat
             else session.generate(text, max_new_tokens=new_tokens) for text in requests]
