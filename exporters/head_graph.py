@@ -12,10 +12,13 @@ ops where they exist::
     z      = z + down(silu(gate) * up)(RMSNorm(z))
     hid    = RMSNorm(z);  logits = hid @ W_out                    # the last position only
 
-A reduced head (N drafted tokens) spreads its N logits over the vocabulary with one Gather through the slot
-map (row N is -inf). ``quantize="int4"`` stores the five projection weights as MatMulNBits blocks computed
-at accuracy level 4 (int8 activations): a draft's numbers need not match anything, since the acceptance rule
-uses the distribution the draft was actually sampled from, so a cheap head stays exact.
+A reduced head (N drafted tokens) reads each token's row through the slot map (row N for every other token)
+and returns the logits of its N tokens alone (spreading them over the vocabulary, a Gather of V entries, had
+cost more than the rest of a SmolLM2 head's step). ``quantize="int4"`` or ``"int8"`` stores the five projection weights as MatMulNBits
+blocks of 4 or 8 bits computed at accuracy level 4 (int8 activations), and ``"int8"`` the input embedding as
+int8 rows with one scale each (a Gather of codes and of scales, then a Mul): a draft's numbers need not match
+anything, since the acceptance rule uses the distribution the draft was actually sampled from, so a cheap head
+stays exact.
 """
 from __future__ import annotations
 
@@ -24,10 +27,22 @@ from pathlib import Path
 
 import numpy as np
 
-from .fused import MS, OPSET, Nodes, int4_blocks
+from .fused import MS, OPSET, Nodes, int4_blocks, int8_blocks
 
 HEAD_INT4 = {"method": "MatMulNBits", "bits": 4, "block_size": 32, "symmetric": True, "accuracy_level": 4,
              "covers": "the head's projections and output layer; its input embedding stays float16"}
+HEAD_INT8 = {"method": "MatMulNBits", "bits": 8, "block_size": 32, "symmetric": True, "accuracy_level": 4,
+             "covers": "the head's projections and output layer; its input embedding is int8 with one scale a row"}
+QUANTIZATION = {"int4": HEAD_INT4, "int8": HEAD_INT8}
+"""How ``quantize`` stores a head's weights (recorded in its manifest)."""
+
+
+def int8_rows(embed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Codes [E, H] int8 and scales [E, 1] float32 of an embedding: code = round(row / scale), scale = the row's
+    largest |value| / 127 (1 for a row of zeros)."""
+    scale = np.abs(embed).max(axis=1, keepdims=True).astype(np.float32) / 127
+    scale[scale == 0] = 1.0
+    return np.clip(np.rint(embed / scale), -127, 127).astype(np.int8), scale
 
 
 @dataclass(frozen=True)
@@ -60,9 +75,9 @@ class HeadWeights:
 
 
 class _Graph(Nodes):
-    def __init__(self, int4: bool):
+    def __init__(self, quantize: str | None):
         super().__init__()
-        self.int4 = int4
+        self.spec = QUANTIZATION.get(quantize)
 
     def init(self, name: str, array: np.ndarray, half: bool = False) -> str:
         """An initializer; ``half`` stores a float one as float16 behind a Cast (ORT folds it at load)."""
@@ -77,27 +92,40 @@ class _Graph(Nodes):
 
     def linear(self, x: str, w: np.ndarray, out: str) -> str:
         """x @ w.T for a Linear weight w [out, in]: MatMul (float16-stored) or MatMulNBits."""
-        if not self.int4:
+        if not self.spec:
             return self.node("MatMul", [x, self.init(f"{out}.weight", w.T, half=True)], out)
-        packed, scales = int4_blocks(w.T, HEAD_INT4["block_size"])
-        return self.node("MatMulNBits", [x, self.init(f"{out}.q4", packed), self.init(f"{out}.scales", scales)],
-                         out, domain=MS, K=w.shape[1], N=w.shape[0], bits=4, block_size=HEAD_INT4["block_size"],
-                         accuracy_level=HEAD_INT4["accuracy_level"])
+        bits, block = self.spec["bits"], self.spec["block_size"]
+        packed, scales = (int4_blocks if bits == 4 else int8_blocks)(w.T, block)
+        return self.node("MatMulNBits", [x, self.init(f"{out}.q{bits}", packed), self.init(f"{out}.scales", scales)],
+                         out, domain=MS, K=w.shape[1], N=w.shape[0], bits=bits, block_size=block,
+                         accuracy_level=self.spec["accuracy_level"])
+
+    def embedding(self, embed: np.ndarray, ids: str) -> str:
+        """The rows of ``ids``: float16-stored, or int8 codes times their row's scale under int8."""
+        if not self.spec or self.spec["bits"] != 8:
+            return self.node("Gather", [self.init("embed", embed, half=True), ids], "embedded")
+        from onnx import TensorProto
+
+        codes, scales = int8_rows(embed)
+        rows = self.node("Cast", [self.node("Gather", [self.init("embed.q8", codes), ids], "embedded_q8")],
+                         "embedded_codes", to=TensorProto.FLOAT)
+        return self.node("Mul", [rows, self.node("Gather", [self.init("embed.scales", scales), ids], "row_scales")],
+                         "embedded")
 
     def norm(self, x: str, w: np.ndarray, name: str, eps: float) -> str:
         return self.node("SimplifiedLayerNormalization", [x, self.init(f"{name}.weight", w)], name, axis=-1,
                          epsilon=eps, stash_type=1)
 
 
-def build_head_graph(w: HeadWeights, vocab_size: int, path: Path, quantize: str | None = None) -> None:
+def build_head_graph(w: HeadWeights, path: Path, quantize: str | None = None) -> None:
     """Write the head's graph to ``path`` (inputs and outputs as ``mtp.INPUTS``/``mtp.OUTPUTS``)."""
     import onnx
     from onnx import TensorProto
 
-    g, eps = _Graph(quantize == "int4"), w.eps
+    g, eps = _Graph(quantize), w.eps
     H, R = w.embed.shape[1], w.state_out.shape[1]
     ids = "input_ids" if w.slot is None else g.node("Gather", [g.init("slot", w.slot), "input_ids"], "rows")
-    e = g.norm(g.node("Gather", [g.init("embed", w.embed, half=True), ids], "embedded"), w.norms["e"], "e", eps)
+    e = g.norm(g.embedding(w.embed, ids), w.norms["e"], "e", eps)
     g.node("Split", [g.linear(e, w.gate_in, "gate_mm"), g.init("halves", np.array([R, R], np.int64))],
            ["pre", "v"], axis=-1)
     # (the bias is added before the split in torch; adding each half's bias after it is the same sum)
@@ -134,18 +162,12 @@ def build_head_graph(w: HeadWeights, vocab_size: int, path: Path, quantize: str 
     if P:  # as wide as the input: its own state, then zeros where a target's streams would be
         g.node("Concat", [own_hidden, g.init("no_streams", np.zeros((1, 1, P * H), np.float32))], "hidden_out",
                axis=-1)
-    if w.slot is None:
-        g.linear(own_hidden, w.out, "logits")
-    else:  # N logits, then -inf for every token outside the subset: one Gather through the slot map
-        own = g.linear(own_hidden, w.out, "own_logits")
-        padded = g.node("Concat", [own, g.init("minus_inf", np.full((1, 1, 1), -np.inf, np.float32))], "padded",
-                        axis=-1)
-        g.node("Gather", [padded, "slot"], "logits", axis=2)
+    g.linear(own_hidden, w.out, "logits")  # a reduced head's N tokens alone (the manifest's draft_vocab)
     h_ = g.helper
     inputs = [h_.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "s"]),
               h_.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [1, 1, H * (1 + P)]),
               h_.make_tensor_value_info("state", TensorProto.FLOAT, [R])]
-    outputs = [h_.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 1, vocab_size]),
+    outputs = [h_.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 1, w.out.shape[0]]),
                h_.make_tensor_value_info("hidden_out", TensorProto.FLOAT, [1, 1, H * (1 + P)]),
                h_.make_tensor_value_info("states", TensorProto.FLOAT, ["s", R])]
     graph = h_.make_graph(g.nodes, "rlxrt_mtp_head", inputs, outputs, g.inits)

@@ -95,6 +95,7 @@ def train(torch, head, data: TeacherData, held: TeacherData, *, steps: int, batc
         saved = torch.load(str(checkpoint), weights_only=False)
         if saved["steps"] != steps:
             raise ExportError(f"--resume: the checkpoint was made for --steps {saved['steps']}, not {steps}")
+        saved["head"].pop("masked", None)  # a buffer that heads of earlier versions kept
         try:
             head.load_state_dict(saved["head"])
         except RuntimeError:  # tensors of other shapes

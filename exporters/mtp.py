@@ -24,8 +24,12 @@ residual streams of the target: ``HeadConfig.hidden_layers``)::
     inputs   input_ids [1, s] int64        x_{p+1} for each fed position p
              hidden_states [1, 1, F]       h_p of the LAST position (the target's, or the head's own)
              state [R]                     the state before the first position
-    outputs  logits [1, 1, V], hidden_out [1, 1, F]   of the last position (its own H, then zeros)
+    outputs  logits [1, 1, N], hidden_out [1, 1, F]   of the last position (its own H, then zeros)
              states [s, R]                 the state after each position
+
+N is the vocabulary, or a reduced head's N drafted tokens: the manifest's ``draft_vocab`` then names their ids
+(as a draft-only export's does), and a Session maps a drafted column to its token. A head written before that
+returns logits over the whole vocabulary, -inf outside its tokens, and still runs.
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ from rlxrt.errors import ExportError
 from rlxrt.manifest import Manifest, StateLayout, StateTensor
 
 from .deps import versions
-from .head_graph import HEAD_INT4, HeadWeights, build_head_graph
+from .head_graph import QUANTIZATION, HeadWeights, build_head_graph, int8_rows
 from .scan import closed_form_scan
 from .source import recorded_name
 from .validate import TOLERANCE, compare
@@ -78,8 +82,8 @@ def build_head(torch, cfg: HeadConfig, embedding, unembedding=None, vocab_ids=No
 
     With ``vocab_ids`` [N] (a reduced draft vocabulary) the head works in N tokens: ``embedding`` is then
     [N + 1, H] (row N for every token outside the subset) and ``unembedding`` [N, H] (the target's output rows
-    of those tokens); its graph still returns logits over the full vocabulary, -inf outside the subset, so a
-    Session uses it like any head and the acceptance rule sees a draft distribution that is zero there.
+    of those tokens); it returns the logits of those N tokens, and the acceptance rule sees a draft
+    distribution that is zero outside them.
     ``train_embedding`` lets the input embedding learn (when it is an estimate, not the target's own)."""
     nn = torch.nn
     H, R, I = cfg.hidden_size, cfg.state_size, cfg.intermediate_size
@@ -107,7 +111,6 @@ def build_head(torch, cfg: HeadConfig, embedding, unembedding=None, vocab_ids=No
                 slot[ids] = torch.arange(len(ids))
                 self.register_buffer("vocab_ids", ids)
                 self.register_buffer("slot", slot)
-                self.register_buffer("masked", torch.full((V,), float("-inf")))
             self.norm_h, self.norm_e, self.norm_m, self.norm_f = RMSNorm(), RMSNorm(), RMSNorm(), RMSNorm()
             self.norm_x = nn.ModuleList(RMSNorm() for _ in cfg.hidden_layers)
             """One norm for each residual stream it reads (EAGLE-3's low, middle and high features)."""
@@ -125,7 +128,7 @@ def build_head(torch, cfg: HeadConfig, embedding, unembedding=None, vocab_ids=No
 
         def mix(self, h, e, states):
             """Everything after the recurrence: the predicted hidden state and the logits over the head's own
-            vocabulary (N tokens when reduced: ``full`` spreads them over the whole one). ``h`` is the target's
+            vocabulary (N tokens when reduced). ``h`` is the target's
             hidden states (H, or H * (1 + P) with the residual streams), or the head's own H: the streams are
             then zeros, as in the graph, whose ``hidden_out`` is its own state followed by zeros."""
             parts = [self.norm_h(h[..., :H])]
@@ -141,13 +144,6 @@ def build_head(torch, cfg: HeadConfig, embedding, unembedding=None, vocab_ids=No
         def out_weight(self):
             return self.embed if self.unembed is None else self.unembed
 
-        def full(self, logits):
-            """Logits over the whole vocabulary: the head's own, -inf for tokens it never drafts."""
-            if not self.reduced:
-                return logits
-            base = self.masked.expand(*logits.shape[:-1], V)
-            return base.scatter(-1, self.vocab_ids.expand(*logits.shape[:-1], -1), logits)
-
         def scan_loop(self, log_a, b, s0):
             """Training form: [B, T, R] sequentially (any length)."""
             a, out, s = log_a.exp(), [], s0
@@ -161,7 +157,7 @@ def build_head(torch, cfg: HeadConfig, embedding, unembedding=None, vocab_ids=No
             e, log_a, b = self.gates(input_ids[0])                     # [s, H], [s, R], [s, R]
             states = closed_form_scan(torch, log_a, b, state)           # [s, R]
             logits, hid = self.mix(hidden_states[0], e[-1:], states[-1:])
-            return self.full(logits)[None], self.padded(hid)[None], states
+            return logits[None], self.padded(hid)[None], states
 
         def padded(self, hid):
             """The head's own hidden state as wide as its input: followed by zeros for the streams it reads."""
@@ -174,16 +170,17 @@ def head_manifest(cfg: HeadConfig, target: Manifest, validation: dict, quantize:
     """The head's manifest: the target's vocabulary and limits, one state tensor, the target it drafts for."""
     return Manifest(
         architecture="RlxrtMtpHead", model_type="mtp-head", vocab_size=cfg.vocab_size,
-        max_positions=target.max_positions, graph=GRAPH, dtype="int4" if quantize else "float32",
-        quantization=dict(HEAD_INT4) if quantize else None,
+        max_positions=target.max_positions, graph=GRAPH, dtype=quantize or "float32",
+        quantization=dict(QUANTIZATION[quantize]) if quantize else None,
         inputs={"input_ids": "input_ids", "hidden_states": "hidden_states", "attention_mask": None,
                 "position_ids": None},
         outputs={"logits": "logits", "hidden_states": "hidden_out"}, kv_cache=None,
         state=StateLayout((StateTensor("state", "states", (cfg.state_size,), "float32"),), CHUNK),
         bos_token_id=target.bos_token_id, eos_token_ids=target.eos_token_ids, pad_token_id=target.pad_token_id,
         tokenizer=None, versions=versions(),
-        source={"task": "mtp-head", "config": asdict(cfg), "weights_stored_as": "int4" if quantize else "float16"},
+        source={"task": "mtp-head", "config": asdict(cfg), "weights_stored_as": quantize or "float16"},
         validation=validation,
+        draft_vocab={"size": cfg.draft_vocab, "ids": VOCAB_IDS} if cfg.draft_vocab else None,
         draft_head={"kind": "mtp", "hidden_size": cfg.input_size, "target": _target_record(target),
                     **({"hidden_layers": list(cfg.hidden_layers)} if cfg.hidden_layers else {}),
                     **({"draft_vocab": cfg.draft_vocab, "draft_vocab_ids": VOCAB_IDS} if cfg.draft_vocab else {})})
@@ -209,7 +206,7 @@ def validate_head(torch, head, run, tolerance: float = TOLERANCE["float32"], pro
         e, log_a, b = head.gates(torch.from_numpy(ids))
         states = head.scan_loop(log_a, b, torch.zeros(1, R))
         ref, ref_hid = head.mix(torch.from_numpy(hidden), e, states)
-        ref, ref_hid = head.full(ref), head.padded(ref_hid)
+        ref_hid = head.padded(ref_hid)
     end = prompt_len + step_len
     a = run({"input_ids": ids[:, :prompt_len], "hidden_states": hidden[:, prompt_len - 1:prompt_len],
              "state": np.zeros(R, np.float32)})
@@ -218,13 +215,7 @@ def validate_head(torch, head, run, tolerance: float = TOLERANCE["float32"], pro
     diffs = {"max_abs_diff_hidden": float(np.abs(np.concatenate([a["hidden_out"], c["hidden_out"]], 1)
                                                  - ref_hid.numpy()[:, last]).max()),
              "max_abs_diff_state": float(np.abs(np.concatenate([a["states"], c["states"]]) - states[0].numpy()).max())}
-    got_a, got_c, ref = a["logits"], c["logits"], ref.numpy()[:, last]
-    if head.reduced:  # the same tokens masked (-inf), then the drafted ones compared as numbers
-        masked = ~np.isfinite(ref)
-        same = bool((~np.isfinite(np.concatenate([got_a, got_c], 1)) == masked).all())
-        diffs["masked_tokens_differ"] = 0.0 if same else float("inf")
-        got_a, got_c, ref = (np.where(np.isfinite(x), x, 0.0) for x in (got_a, got_c, ref))
-    return compare(got_a, got_c, ref, tolerance, **diffs)
+    return compare(a["logits"], c["logits"], ref.numpy()[:, last], tolerance, **diffs)
 
 
 def write_head(torch, head, cfg: HeadConfig, target: Manifest, out: Path, run_for,
@@ -233,16 +224,20 @@ def write_head(torch, head, cfg: HeadConfig, target: Manifest, out: Path, run_fo
     head; ``run_for(graph_path)`` gives a ``run(feeds) -> {name: array}`` (the application's ``runner``).
     float32: the weights are rounded to float16 and stored so (half the file), computed in float32, and
     must match the torch head to float32 tolerance. ``quantize="int4"``: the projections and the output
-    layer as int4 blocks (``HEAD_INT4``), checked to int4 tolerance."""
-    if quantize not in (None, "int4"):
-        raise ExportError(f"an MTP head quantises to int4 only, not {quantize!r}")
+    layer as int4 blocks (``HEAD_INT4``), checked to int4 tolerance; ``"int8"``: as 8-bit blocks, and the input
+    embedding as int8 rows, which the torch head takes too (so only the blocks differ), checked to int8
+    tolerance."""
+    if quantize not in (None, *QUANTIZATION):
+        raise ExportError(f"an MTP head quantises to {' or '.join(QUANTIZATION)} only, not {quantize!r}")
     out.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():  # weights on the float16 grid: stored as float16, computed in float32, validated as is
         for p in head.parameters():
             p.copy_(p.half().float())
-    build_head_graph(HeadWeights.from_state_dict(head.state_dict(), cfg.rms_norm_eps), cfg.vocab_size,
-                     out / GRAPH, quantize)
-    record = validate_head(torch, head, run_for(out / GRAPH), TOLERANCE["int4" if quantize else "float32"])
+        if quantize == "int8":  # the embedding's rows on their int8 grid, as stored
+            codes, scales = int8_rows(head.embed.detach().numpy())
+            head.embed.copy_(torch.from_numpy(codes.astype(np.float32) * scales))
+    build_head_graph(HeadWeights.from_state_dict(head.state_dict(), cfg.rms_norm_eps), out / GRAPH, quantize)
+    record = validate_head(torch, head, run_for(out / GRAPH), TOLERANCE[quantize or "float32"])
     if not record["passed"]:
         raise ExportError(f"MTP head validation failed: ORT and torch differ ({record}); nothing usable was written")
     manifest = head_manifest(cfg, target, record, quantize)

@@ -174,23 +174,45 @@ def int4_head(exported, target, tmp_path_factory):
                      quantize="int4")
 
 
-def test_an_int4_head_is_cheaper_and_speculation_with_it_stays_exact(target, head, int4_head, plain):
+@pytest.fixture(scope="module")
+def int8_head(exported, target, tmp_path_factory):
+    return make_head(target, exported.source("llama", seed=0), tmp_path_factory.mktemp("mtp") / "head8",
+                     quantize="int8")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_quantised_head_is_cheaper_and_speculation_with_it_stays_exact(target, head, int4_head, int8_head, plain,
+                                                                         bits):
     import onnx
 
-    m = rlxrt.Manifest.load(int4_head)
-    assert m.dtype == "int4" and m.quantization["method"] == "MatMulNBits" and m.validation["passed"]
-    assert 0 < m.validation["max_abs_diff"] <= m.validation["tolerance"]  # int4 is not float32, but close
-    ops = [n.op_type for n in onnx.load(str(int4_head / "model.onnx")).graph.node]
+    quantised = int4_head if bits == 4 else int8_head
+    m = rlxrt.Manifest.load(quantised)
+    assert m.dtype == f"int{bits}" and m.quantization["method"] == "MatMulNBits" and m.validation["passed"]
+    assert m.quantization["bits"] == bits
+    assert 0 < m.validation["max_abs_diff"] <= m.validation["tolerance"]  # not float32, but close
+    graph = onnx.load(str(quantised / "model.onnx")).graph
+    ops = [n.op_type for n in graph.node]
     assert ops.count("MatMulNBits") == 5 and "MatMul" not in ops
+    assert {a.i for n in graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"} == {bits}
+    embedding = {i.name: i.data_type for i in graph.initializer if i.name.startswith("embed")}
+    assert embedding == ({"embed_fp16": onnx.TensorProto.FLOAT16} if bits == 4 else
+                         {"embed.q8": onnx.TensorProto.INT8, "embed.scales": onnx.TensorProto.FLOAT})
     for k in (1, 3):
-        g = Session(target, MtpHead(int4_head, CFG), CFG, k=k).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+        g = Session(target, MtpHead(quantised, CFG), CFG, k=k).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
         assert g.token_ids == plain and g.stats.drafted > 0
     # the state path is quantised too, and still a function of the tokens alone: the per-position states of
     # one call equal feeding the same tokens one at a time (what makes commit exact without a re-run)
     tokens = [3, 17, 5, 40, 2]
-    m4 = StateModel(compile(int4_head, CFG))
-    m4.forward(tokens, np.zeros((1, 64), np.float32))
-    np.testing.assert_allclose(m4.state()[0], sequential_state(int4_head, tokens), atol=1e-4)
+    mq = StateModel(compile(quantised, CFG))
+    mq.forward(tokens, np.zeros((1, 64), np.float32))
+    np.testing.assert_allclose(mq.state()[0], sequential_state(quantised, tokens), atol=1e-4)
+
+
+def test_an_int8_head_is_closer_to_its_torch_module_than_an_int4_one(int4_head, int8_head):
+    """The same weights (same seed): 8-bit blocks and int8 embedding rows stay nearer the float head."""
+    four, eight = (rlxrt.Manifest.load(h).validation for h in (int4_head, int8_head))
+    assert eight["max_abs_diff"] < four["max_abs_diff"] / 4
+    assert eight["max_abs_diff_hidden"] < four["max_abs_diff_hidden"]
 
 
 def test_a_one_token_prompt_drafts_from_the_second_round_on(target, head, exported):

@@ -78,11 +78,15 @@ def test_reduced_vocabulary_head_is_greedy_exact(llama, reduced_head):
     m = Manifest.load(out)
     ids = json.loads((out / "draft_vocab.json").read_text())
     assert m.draft_head["draft_vocab"] == 64 == len(ids) == len(set(ids)) and report["draft_vocab"] == 64
-    assert m.dtype == "int4" and m.quantization["accuracy_level"] == 4 and report["quantize"] == "int4"
+    assert m.dtype == "int8" and m.quantization["accuracy_level"] == 4 and report["quantize"] == "int8"
     import onnx
 
-    ops = {n.op_type for n in onnx.load(str(out / "model.onnx")).graph.node}
-    assert "MatMulNBits" in ops and "MatMul" not in ops  # the default: every projection int4
+    graph = onnx.load(str(out / "model.onnx")).graph
+    ops = {n.op_type for n in graph.node}
+    assert "MatMulNBits" in ops and "MatMul" not in ops  # the default: every projection int8
+    # its logits are its 64 tokens' alone, named by the manifest as a draft-only export's are
+    assert [d.dim_value for d in graph.output[0].type.tensor_type.shape.dim] == [1, 1, 64]
+    assert m.draft_vocab == {"size": 64, "ids": "draft_vocab.json"}
     head = MtpHead(out, CFG)
     plain = Session(llama, None, CFG).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
     s = Session(llama, head, CFG, k=4)

@@ -50,9 +50,10 @@ def add_train_head(add, runtime_flags) -> None:
                    help="the width of the head's gated MLP (its hidden size and recurrent state stay as they are)")
     p.add_argument("--max-tokens", type=int, default=200_000, help="training tokens the target is run over")
     p.add_argument("--heldout", type=float, default=0.1, help="share of the documents held out (by file)")
-    p.add_argument("--quantize", choices=("int4", "none"), default="int4",
-                   help="the head's graph: int4 projections computed with int8 activations (default: about 4x "
-                        "cheaper a step, see README) or none (float32)")
+    p.add_argument("--quantize", choices=("int8", "int4", "none"), default="int8",
+                   help="the head's graph: int8 projections computed with int8 activations and an int8 input "
+                        "embedding (default: drafts as float32 does at an int4 graph's cost, see README), int4 "
+                        "projections, or none (float32)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/.train/checkpoint.pt (at the last "
                                                         "step: only export again, e.g. with another --quantize)")
     p.add_argument("--eval-prompts", metavar="FILE",
