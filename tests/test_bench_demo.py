@@ -129,9 +129,9 @@ def test_demo_speculators_on_the_shipped_pair(kind, capsys):
 
 def test_smollm2_recipe_keeps_the_bench_prompts_out_of_the_self_written_requests(tmp_path, monkeypatch):
     """The recipe's wiring, its steps recorded instead of run: the corpus is written by the int4 export that
-    computes with int8 activations, in two lanes side by side; the self-written requests (and only they)
-    exclude the held-out bench prompts; the head trains on all the corpora; steps whose output exists are
-    skipped."""
+    computes with int8 activations, in two lanes side by side, in two phases; the self-written requests (and only
+    they) exclude the held-out bench prompts, and the second phase's also the first phase's requests; the head
+    trains on all the corpora; steps whose output exists are skipped."""
     from rlxrt.app import smollm2
 
     calls = []
@@ -148,9 +148,10 @@ def test_smollm2_recipe_keeps_the_bench_prompts_out_of_the_self_written_requests
     assert calls[:2] == [["export", "target", "--with-hidden-states"],
                          ["export", "text", "--quantize", "int4", "--int4-compute", "int8"]]
     distills, train = calls[2:-1], calls[-1]
-    assert len(distills) == 5 and all(c[:2] == ["distill", str(tmp_path / "text")] for c in distills)
+    assert len(distills) == 7 and all(c[:2] == ["distill", str(tmp_path / "text")] for c in distills)
     outs = {c[c.index("--out") + 1]: c for c in distills}
-    selves = ("self-a.json", "self-b.json", "self-c.json", "self-d.json")
+    first = ("self-a.json", "self-b.json", "self-c.json", "self-d.json")
+    selves = (*first, "self-e.json", "self-f.json")
     assert sorted(outs) == sorted(str(tmp_path / n) for n in ("distill.json", *selves))
     seeds = [int(c[c.index("--seed") + 1]) for c in distills if "--self-prompts" in c]
     spans = sorted((s, s + int(c[c.index("--self-prompts") + 1]))  # try i draws with seed s + i
@@ -158,9 +159,17 @@ def test_smollm2_recipe_keeps_the_bench_prompts_out_of_the_self_written_requests
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), f"self-written runs share seeds: {spans}"
     for out, c in outs.items():
         assert ("--exclude" in c) == ("--self-prompts" in c) == (not out.endswith("distill.json"))
+        assert c.count("--exclude") <= 1  # a second one would replace the first's files
     own = outs[str(tmp_path / "self-a.json")]
     held_out = own[own.index("--exclude") + 1]
     assert json.loads(open(held_out).read()) == smollm2.BENCH_PROMPTS and len(set(smollm2.BENCH_PROMPTS)) == 16
+    earlier = [held_out, str(tmp_path / "distill-prompts.json"),
+               *(str(tmp_path / n.replace(".json", "-prompts.json")) for n in first)]
+    order = [c[c.index("--out") + 1] for c in distills]
+    for late in ("self-e.json", "self-f.json"):
+        c = outs[str(tmp_path / late)]
+        assert c[c.index("--exclude") + 1:c.index("--out")] == earlier
+        assert order.index(str(tmp_path / late)) > max(order.index(str(tmp_path / n)) for n in first)
     instructions = json.loads((tmp_path / "distill-prompts.json").read_text())
     assert len(instructions) > 400 and not set(smollm2.BENCH_PROMPTS) & set(instructions)
     assert train[:2] == ["train-head", str(tmp_path / "target")]

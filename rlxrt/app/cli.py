@@ -95,7 +95,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if info["manifest"]:
         m = info["manifest"]
         dv = m.get("draft_vocab")
-        drafts = f" (a draft-only export: logits over {dv['size']} of them)" if dv else ""
+        drafts = f" (a draft: logits over {dv['size']} of them)" if dv else ""
         layers = m.get("hidden_layers") or (m.get("draft_head") or {}).get("hidden_layers")
         streams = f"; hidden_states also holds the residual streams after layers {layers}" if layers else ""
         print(f"manifest: {m['architecture']} ({m['model_type']}), vocab {m['vocab_size']}{drafts}, "

