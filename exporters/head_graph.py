@@ -14,11 +14,11 @@ ops where they exist::
 
 A reduced head (N drafted tokens) reads each token's row through the slot map (row N for every other token)
 and returns the logits of its N tokens alone (spreading them over the vocabulary, a Gather of V entries, had
-cost more than the rest of a SmolLM2 head's step). ``quantize="int4"`` or ``"int8"`` stores the five projection weights as MatMulNBits
-blocks of 4 or 8 bits computed at accuracy level 4 (int8 activations), and ``"int8"`` the input embedding as
-int8 rows with one scale each (a Gather of codes and of scales, then a Mul): a draft's numbers need not match
-anything, since the acceptance rule uses the distribution the draft was actually sampled from, so a cheap head
-stays exact.
+cost more than the rest of a SmolLM2 head's step). ``quantize="int4"`` or ``"int8"`` stores the five
+projection weights as MatMulNBits blocks of 4 or 8 bits computed at accuracy level 4 (int8 activations), and
+``"int8"`` the input embedding as int8 rows with one scale each (a Gather of codes and of scales, then a Mul):
+a draft's numbers need not match anything, since the acceptance rule uses the distribution the draft was
+actually sampled from, so a cheap head stays exact.
 """
 from __future__ import annotations
 
