@@ -32,7 +32,7 @@ def check_same_vocabulary(target: KVModel | StateModel, draft: KVModel | StateMo
 
 def draft_chain(logits: np.ndarray, k: int, ctx: Context, step, min_prob: float = 0.0,
                 scratch: np.ndarray | None = None, vocab_ids: np.ndarray | None = None,
-                vocab_size: int = 0) -> DraftProposal:
+                vocab_size: int = 0, rows: np.ndarray | None = None) -> DraftProposal:
     """Up to k drafted tokens: the first from ``logits`` [V], each next one from ``step(token)`` (the draft's
     logits after it). Greedy takes the argmax; sampling draws from the transformed row, which the
     acceptance rule then needs. With ``min_prob`` the chain ends before any position after the first where
@@ -42,11 +42,13 @@ def draft_chain(logits: np.ndarray, k: int, ctx: Context, step, min_prob: float 
     output (the pure-tier chi-square test caught exactly that). ``scratch`` [V] float32 is where greedy
     computes the probability. ``vocab_ids`` [N]: the logits are a draft-only export's N columns, column j
     token ``vocab_ids[j]`` of ``vocab_size``; q is then zero outside them, which the acceptance rule takes as
-    it comes."""
+    it comes. ``rows`` [>= k, V]: where a sampled chain writes q (the caller's, reused every round: only the
+    columns of ``vocab_ids`` are ever written, so the others stay zero); a new array when not given."""
     tokens = np.empty(k, np.int64)
     greedy = ctx.params.greedy
-    rows = None
-    if not greedy:
+    if greedy:
+        rows = None
+    elif rows is None or len(rows) < k:
         rows = np.empty((k, len(logits))) if vocab_ids is None else np.zeros((k, vocab_size))
     for i in range(k):
         if greedy:
@@ -69,7 +71,7 @@ def draft_chain(logits: np.ndarray, k: int, ctx: Context, step, min_prob: float 
         tokens[i] = x
         if i + 1 < k:
             logits = step(x)
-    return DraftProposal(tokens, rows)
+    return DraftProposal(tokens, None if rows is None else rows[:k])
 
 
 class ModelSpeculator(Speculator):
@@ -81,14 +83,19 @@ class ModelSpeculator(Speculator):
     model: KVModel | StateModel
     min_prob: float = 0.0
     scratch: np.ndarray | None = None
+    rows: np.ndarray | None = None
+    """[k, V] float64: the sampled chain's q rows, made at the first sampled round (again for a larger k) and
+    reused (the acceptance rule reads them within the round)."""
 
     def set_min_prob(self, min_prob: float) -> None:
         self.min_prob = as_float(min_prob, "min_prob (a draft's chain ends below it)", 0.0, 0.999)
         self.scratch = np.empty(self.model.logits_width, np.float32) if self.min_prob else None
 
     def chain(self, logits: np.ndarray, k: int, ctx: Context, step) -> DraftProposal:
+        if not ctx.params.greedy and (self.rows is None or len(self.rows) < k):
+            self.rows = np.zeros((k, self.model.vocab_size))
         return draft_chain(logits, k, ctx, step, self.min_prob, self.scratch, self.model.vocab_ids,
-                           self.model.vocab_size)
+                           self.model.vocab_size, self.rows)
 
     @staticmethod
     def chain_ids(first: int, k: int, step) -> DraftProposal:
