@@ -9,6 +9,8 @@ ops where they exist::
     states = closed-form scan of s_t = a_t s_{t-1} + b_t          # [R, s, s] weights, lower triangle
     z      = [RMSNorm(h), e_last, state_last] @ W_z               # one MatMul for fuse and state_out
                                                                   # (h: each residual stream normalised too)
+    (with attention: z at every position; k, v of each join the cache, and the last position's
+     z = z_last + W_o softmax(q k^T / sqrt(d)) v, per head)
     z      = z + down(silu(gate) * up)(RMSNorm(z))
     hid    = RMSNorm(z);  logits = hid @ W_out                    # the last position only
 
@@ -34,6 +36,10 @@ HEAD_INT4 = {"method": "MatMulNBits", "bits": 4, "block_size": 32, "symmetric": 
 HEAD_INT8 = {"method": "MatMulNBits", "bits": 8, "block_size": 32, "symmetric": True, "accuracy_level": 4,
              "covers": "the head's projections and output layer; its input embedding is int8 with one scale a row"}
 QUANTIZATION = {"int4": HEAD_INT4, "int8": HEAD_INT8}
+CACHE = ("past_key.{i}", "past_value.{i}", "present_key.{i}", "present_value.{i}")
+"""The attention layer's cache (a head with ``attention_heads``), [1, heads, L, head size]: the manifest's
+patterns, and the graph's names with layer 0."""
+PAST, PRESENT = tuple(n.format(i=0) for n in CACHE[:2]), tuple(n.format(i=0) for n in CACHE[2:])
 """How ``quantize`` stores a head's weights (recorded in its manifest)."""
 
 
@@ -60,9 +66,10 @@ class HeadWeights:
     down: np.ndarray            # [H, I]
     slot: np.ndarray | None     # [V] int64: each token's row (N outside the subset); None: full vocabulary
     eps: float
+    attn: dict | None = None    # heads, norm [H], qkv [3H, H], o [H, H]: its attention layer (None: none)
 
     @classmethod
-    def from_state_dict(cls, sd: dict, eps: float) -> "HeadWeights":
+    def from_state_dict(cls, sd: dict, eps: float, attention_heads: int = 0) -> "HeadWeights":
         f = {k: v.detach().float().numpy() if hasattr(v, "detach") else np.asarray(v) for k, v in sd.items()}
         return cls(embed=f["embed"], out=f.get("unembed", f["embed"]),
                    norms={**{n: f[f"norm_{n}.weight"] for n in "hemf"},
@@ -71,7 +78,9 @@ class HeadWeights:
                    fuse=f["fuse.weight"],
                    gate_in=f["gate_in.weight"], gate_bias=f["gate_in.bias"], state_out=f["state_out.weight"],
                    up=f["up.weight"], down=f["down.weight"],
-                   slot=f["slot"].astype(np.int64) if "slot" in f else None, eps=eps)
+                   slot=f["slot"].astype(np.int64) if "slot" in f else None, eps=eps,
+                   attn={"heads": attention_heads, "norm": f["attn.norm"], "qkv": f["attn.qkv.weight"],
+                         "o": f["attn.o.weight"]} if attention_heads else None)
 
 
 class _Graph(Nodes):
@@ -138,8 +147,6 @@ def build_head_graph(w: HeadWeights, path: Path, quantize: str | None = None) ->
     g.node("Reshape", [states, g.init("rows_r", np.array([-1, R], np.int64))], "states")
     last = g.init("last", np.array([-1], np.int64))
     end, axis1 = g.init("end", np.array([np.iinfo(np.int64).max], np.int64)), g.init("axis1", np.array([1], np.int64))
-    e_last = g.node("Slice", [e, last, end, axis1], "e_last")
-    s_last = g.node("Slice", [states, last, end, axis1], "state_last")
     P = sum(1 for k in w.norms if k.startswith("x"))  # residual streams read beside the last hidden state
     if P:  # [h | x0 | x1 ...]: each part normalised alone
         g.node("Split", ["hidden_states", g.init("parts", np.array([H] * (1 + P), np.int64))],
@@ -148,8 +155,15 @@ def build_head_graph(w: HeadWeights, path: Path, quantize: str | None = None) ->
             [g.norm(f"stream{i}", w.norms[f"x{i}"], f"x{i}", eps) for i in range(P)]
     else:
         parts = [g.norm("hidden_states", w.norms["h"], "h", eps)]
-    cat = g.node("Concat", [*parts, e_last, s_last], "mix_in", axis=-1)                # [1, 1, (2 + P)H + R]
-    z = g.linear(cat, np.concatenate([w.fuse, w.state_out], axis=1), "z")
+    if w.attn is None:  # the last position alone
+        e_last = g.node("Slice", [e, last, end, axis1], "e_last")
+        s_last = g.node("Slice", [states, last, end, axis1], "state_last")
+        cat = g.node("Concat", [*parts, e_last, s_last], "mix_in", axis=-1)            # [1, 1, (2 + P)H + R]
+        z = g.linear(cat, np.concatenate([w.fuse, w.state_out], axis=1), "z")
+    else:  # every position: its keys and values join the cache, the last one's query reads them
+        cat = g.node("Concat", [*parts, e, states], "mix_in", axis=-1)                 # [1, s, (2 + P)H + R]
+        z_all = g.linear(cat, np.concatenate([w.fuse, w.state_out], axis=1), "z_all")
+        z = _attention(g, z_all, w.attn, eps, (last, end, axis1))
     gu = g.linear(g.norm(z, w.norms["m"], "m", eps), w.up, "gate_up")
     g.node("Split", [gu, g.init("mlp_halves", np.array([w.up.shape[0] // 2] * 2, np.int64))],
            ["mlp_gate", "mlp_up"], axis=-1)
@@ -165,15 +179,41 @@ def build_head_graph(w: HeadWeights, path: Path, quantize: str | None = None) ->
     g.linear(own_hidden, w.out, "logits")  # a reduced head's N tokens alone (the manifest's draft_vocab)
     h_ = g.helper
     inputs = [h_.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "s"]),
-              h_.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [1, 1, H * (1 + P)]),
+              h_.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [1, 1 if w.attn is None else "s", H * (1 + P)]),
               h_.make_tensor_value_info("state", TensorProto.FLOAT, [R])]
     outputs = [h_.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 1, w.out.shape[0]]),
                h_.make_tensor_value_info("hidden_out", TensorProto.FLOAT, [1, 1, H * (1 + P)]),
                h_.make_tensor_value_info("states", TensorProto.FLOAT, ["s", R])]
+    if w.attn is not None:
+        kv = [w.attn["heads"], H // w.attn["heads"]]
+        inputs += [h_.make_tensor_value_info(n, TensorProto.FLOAT, [1, kv[0], "past", kv[1]]) for n in PAST]
+        outputs += [h_.make_tensor_value_info(n, TensorProto.FLOAT, [1, kv[0], "total", kv[1]]) for n in PRESENT]
     graph = h_.make_graph(g.nodes, "rlxrt_mtp_head", inputs, outputs, g.inits)
     model = h_.make_model(graph, opset_imports=[h_.make_opsetid("", OPSET), h_.make_opsetid(MS, 1)], ir_version=10,
                           producer_name="rlxrt")
     onnx.save(model, str(path))
+
+
+def _attention(g: _Graph, z_all: str, a: dict, eps: float, last_slice: tuple) -> str:
+    """The last position's input plus its attention over the cache and the fed positions (``head_attention``):
+    keys and values of every fed position are appended to ``past_key``/``past_value`` ([1, heads, L, d])."""
+    H = a["norm"].shape[0]
+    n, d = a["heads"], H // a["heads"]
+    x = g.norm(z_all, a["norm"], "a", eps)
+    kv = g.linear(x, a["qkv"][H:], "kv")
+    g.node("Split", [kv, g.init("kv_halves", np.array([H, H], np.int64))], ["k_new", "v_new"], axis=-1)
+    split = g.init("by_head", np.array([1, -1, n, d], np.int64))
+    for new, past, present in zip(("k_new", "v_new"), PAST, PRESENT):
+        heads = g.node("Transpose", [g.node("Reshape", [new, split], f"{new}_4d")], f"{new}_t", perm=[0, 2, 1, 3])
+        g.node("Concat", [past, heads], present, axis=2)                                   # [1, n, L + s, d]
+    q = g.linear(g.node("Slice", [x, *last_slice], "x_last"), a["qkv"][:H], "q")
+    q = g.node("Transpose", [g.node("Reshape", [q, split], "q_4d")], "q_t", perm=[0, 2, 1, 3])   # [1, n, 1, d]
+    scores = g.node("FusedMatMul", [q, PRESENT[0]], "scores", domain=MS, transB=1, alpha=1 / float(np.sqrt(d)))
+    y = g.node("MatMul", [g.node("Softmax", [scores], "weights", axis=-1), PRESENT[1]], "attended")
+    y = g.node("Reshape", [g.node("Transpose", [y], "attended_t", perm=[0, 2, 1, 3]),
+                           g.init("one_row", np.array([1, 1, H], np.int64))], "attended_row")
+    z_last = g.node("Slice", [z_all, *last_slice], "z_last")
+    return g.node("Add", [z_last, g.linear(y, a["o"], "attn_out")], "z")
 
 
 def _scan(g: _Graph, log_a: str, b: str) -> str:

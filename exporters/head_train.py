@@ -58,10 +58,9 @@ def losses(torch, head, x, h, lse):
     t_logp = last @ head.out_weight().t() - lse[..., None]          # log p of the head's tokens
     e, log_a, b = head.gates(x[:, 1:-1])                           # x_{p+1} for p = 0..T-2
     states = head.scan_loop(log_a, b, torch.zeros(b.shape[0], b.shape[2]))
-    logits1, hid1 = head.mix(h[:, :-1], e, states)                 # predicts x_{p+2}, imitates h_{p+1}
+    logits1, hid1, logits2 = head.two_steps(h[:, :-1], e, states)  # x_{p+2} (imitating h_{p+1}); chained x_{p+3}
     ce1 = -(t_logp[:, 1:].exp() * F.log_softmax(logits1, -1)).sum(-1).mean()
     reg = F.smooth_l1_loss(hid1, last[:, 1:])
-    logits2, _ = head.mix(hid1[:, :-1], e[:, 1:], states[:, 1:])     # chained: own hidden, token x_{p+2}
     ce2 = -(t_logp[:, 2:].exp() * F.log_softmax(logits2, -1)).sum(-1).mean()
     agree = (logits1.argmax(-1) == t_logp[:, 1:].argmax(-1)).float().mean()
     return ce1 + SECOND_STEP * ce2 + REGRESSION * reg, ce1, ce2, reg, agree
@@ -99,8 +98,8 @@ def train(torch, head, data: TeacherData, held: TeacherData, *, steps: int, batc
         try:
             head.load_state_dict(saved["head"])
         except RuntimeError:  # tensors of other shapes
-            raise ExportError("--resume: the checkpoint's head has another shape; resume with the --mlp-size and "
-                              "--draft-vocab it was made with, or start without --resume") from None
+            raise ExportError("--resume: the checkpoint's head has another shape; resume with the --mlp-size, "
+                              "--draft-vocab and --attention-heads it was made with, or start without --resume") from None
         opt.load_state_dict(saved["opt"])
         rng.bit_generator.state = saved["rng"]
         start, log = saved["step"], saved["log"]

@@ -18,14 +18,23 @@ round, or the next link of a chain; a prefill needs only the state), so the
 graph reads the hidden state of the last position and computes the output
 head there alone; the state path runs over every position.
 
+A head with an attention layer (``HeadConfig.attention_heads``, ``head_attention.py``) also sees the earlier
+positions: it reads the hidden state of EVERY fed position, appends their keys and values to its cache, and
+computes the last one's output. Its cache must hold what the target computed, not what the head guessed, so
+after a verification it keeps the positions read with the target's hidden states, and the next round reads
+the verified ones again, with the target's rows, in one call.
+
 Graph interface (H = hidden size, R = state size, F = H, or H * (1 + P) for a head that also reads P
 residual streams of the target: ``HeadConfig.hidden_layers``)::
 
     inputs   input_ids [1, s] int64        x_{p+1} for each fed position p
              hidden_states [1, 1, F]       h_p of the LAST position (the target's, or the head's own)
+                                           (with attention: [1, s, F], of each fed position)
              state [R]                     the state before the first position
+             past_key.0, past_value.0      with attention: [1, heads, L, H / heads], the cache
     outputs  logits [1, 1, N], hidden_out [1, 1, F]   of the last position (its own H, then zeros)
              states [s, R]                 the state after each position
+             present_key.0, present_value.0   with attention: the cache and the fed positions, [.., L + s, ..]
 
 N is the vocabulary, or a reduced head's N drafted tokens: the manifest's ``draft_vocab`` then names their ids
 (as a draft-only export's does), and a Session maps a drafted column to its token. A head written before that
@@ -40,11 +49,11 @@ from pathlib import Path
 import numpy as np
 
 from rlxrt.errors import ExportError
-from rlxrt.manifest import Manifest, StateLayout, StateTensor
+from rlxrt.manifest import KVCacheLayout, Manifest, StateLayout, StateTensor
 
 from .deps import versions
-from .head_graph import QUANTIZATION, HeadWeights, build_head_graph, int8_rows
-from .scan import closed_form_scan
+from .head_graph import CACHE, PAST, PRESENT, QUANTIZATION, HeadWeights, build_head_graph, int8_rows
+from .head_attention import causal_attention
 from .source import recorded_name
 from .validate import TOLERANCE, compare
 
@@ -69,6 +78,9 @@ class HeadConfig:
     """The target's layers whose residual stream it reads beside the last hidden state (the target's
     ``hidden_layers``, ``rlxrt export --hidden-layers``): its ``hidden_states`` input is then
     ``hidden_size * (1 + len)`` wide."""
+    attention_heads: int = 0
+    """Heads of its causal self-attention layer over the earlier positions (``head_attention.py``; 0: none, the head
+    sees the past through its token recurrence and the last hidden state alone)."""
 
     @property
     def input_size(self) -> int:
@@ -119,6 +131,8 @@ def build_head(torch, cfg: HeadConfig, embedding, unembedding=None, vocab_ids=No
             self.state_out = nn.Linear(R, H, bias=False)
             self.up = nn.Linear(H, 2 * I, bias=False)
             self.down = nn.Linear(I, H, bias=False)
+            self.attn = causal_attention(torch, H, cfg.attention_heads, cfg.rms_norm_eps) \
+                if cfg.attention_heads else None
 
         def gates(self, ids):
             """Per position: log a_p and (1 - a_p) * v_p, from the token alone."""
@@ -126,20 +140,41 @@ def build_head(torch, cfg: HeadConfig, embedding, unembedding=None, vocab_ids=No
             pre, v = self.gate_in(e).chunk(2, dim=-1)
             return e, -nn.functional.softplus(-pre), torch.sigmoid(-pre) * v
 
-        def mix(self, h, e, states):
-            """Everything after the recurrence: the predicted hidden state and the logits over the head's own
-            vocabulary (N tokens when reduced). ``h`` is the target's
-            hidden states (H, or H * (1 + P) with the residual streams), or the head's own H: the streams are
-            then zeros, as in the graph, whose ``hidden_out`` is its own state followed by zeros."""
+        def fused(self, h, e, states):
+            """The layer's input at each position: the target's hidden states ``h`` (H, or H * (1 + P) with the
+            residual streams), or the head's own H (the streams are then zeros, as in the graph, whose
+            ``hidden_out`` is its own state followed by zeros), the token's embedding and the state."""
             parts = [self.norm_h(h[..., :H])]
             if P:
                 parts += [torch.zeros_like(parts[0])] * P if h.shape[-1] == H else \
                     [n(h[..., (i + 1) * H:(i + 2) * H]) for i, n in enumerate(self.norm_x)]
-            z = self.fuse(torch.cat([*parts, e], dim=-1)) + self.state_out(states)
+            return self.fuse(torch.cat([*parts, e], dim=-1)) + self.state_out(states)
+
+        def block(self, z):
+            """Everything after the attention: the predicted hidden state and the logits over the head's own
+            vocabulary (N tokens when reduced)."""
             g, u = self.up(self.norm_m(z)).chunk(2, dim=-1)
             z = z + self.down(nn.functional.silu(g) * u)
             hid = self.norm_f(z)
             return hid @ self.out_weight().t(), hid
+
+        def sequential(self, h, e, states):
+            """Logits and hidden state at every position of a window read in order (the graph's computation)."""
+            z = self.fused(h, e, states)
+            return self.block(z if self.attn is None else self.attn(z)[0])
+
+        def two_steps(self, h, e, states):
+            """Training form over windows [B, T, ...]: the first step at each position p (the target's h_p and
+            x_{p+1}) and the chained one at p + 1 (the head's own hidden state and x_{p+2}), which attends to
+            the positions up to p as the graph would (the target's, kept) and to itself."""
+            z = self.fused(h, e, states)
+            if self.attn is None:
+                logits1, hid1 = self.block(z)
+                return logits1, hid1, self.block(self.fused(hid1[:, :-1], e[:, 1:], states[:, 1:]))[0]
+            z1, k, v = self.attn(z)
+            logits1, hid1 = self.block(z1)
+            z2 = self.fused(hid1[:, :-1], e[:, 1:], states[:, 1:])
+            return logits1, hid1, self.block(self.attn.chained(z2, k, v))[0]
 
         def out_weight(self):
             return self.embed if self.unembed is None else self.unembed
@@ -151,13 +186,6 @@ def build_head(torch, cfg: HeadConfig, embedding, unembedding=None, vocab_ids=No
                 s = a[:, t] * s + b[:, t]
                 out.append(s)
             return torch.stack(out, dim=1)
-
-        def forward(self, input_ids, hidden_states, state):
-            """Graph form: s <= CHUNK positions, the scan in closed form, the output head at the last one."""
-            e, log_a, b = self.gates(input_ids[0])                     # [s, H], [s, R], [s, R]
-            states = closed_form_scan(torch, log_a, b, state)           # [s, R]
-            logits, hid = self.mix(hidden_states[0], e[-1:], states[-1:])
-            return logits[None], self.padded(hid)[None], states
 
         def padded(self, hid):
             """The head's own hidden state as wide as its input: followed by zeros for the streams it reads."""
@@ -174,7 +202,7 @@ def head_manifest(cfg: HeadConfig, target: Manifest, validation: dict, quantize:
         quantization=dict(QUANTIZATION[quantize]) if quantize else None,
         inputs={"input_ids": "input_ids", "hidden_states": "hidden_states", "attention_mask": None,
                 "position_ids": None},
-        outputs={"logits": "logits", "hidden_states": "hidden_out"}, kv_cache=None,
+        outputs={"logits": "logits", "hidden_states": "hidden_out"}, kv_cache=_cache(cfg),
         state=StateLayout((StateTensor("state", "states", (cfg.state_size,), "float32"),), CHUNK),
         bos_token_id=target.bos_token_id, eos_token_ids=target.eos_token_ids, pad_token_id=target.pad_token_id,
         tokenizer=None, versions=versions(),
@@ -183,7 +211,17 @@ def head_manifest(cfg: HeadConfig, target: Manifest, validation: dict, quantize:
         draft_vocab={"size": cfg.draft_vocab, "ids": VOCAB_IDS} if cfg.draft_vocab else None,
         draft_head={"kind": "mtp", "hidden_size": cfg.input_size, "target": _target_record(target),
                     **({"hidden_layers": list(cfg.hidden_layers)} if cfg.hidden_layers else {}),
+                    **({"attention_heads": cfg.attention_heads} if cfg.attention_heads else {}),
                     **({"draft_vocab": cfg.draft_vocab, "draft_vocab_ids": VOCAB_IDS} if cfg.draft_vocab else {})})
+
+
+def _cache(cfg: HeadConfig) -> KVCacheLayout | None:
+    """The attention layer's cache: keys and values of every position fed (none without the layer)."""
+    if not cfg.attention_heads:
+        return None
+    return KVCacheLayout(layers=1, kv_heads=cfg.attention_heads, head_dim=cfg.hidden_size // cfg.attention_heads,
+                         dtype="float32", past_key=CACHE[0], past_value=CACHE[1], present_key=CACHE[2],
+                         present_value=CACHE[3])
 
 
 def _target_record(target: Manifest) -> dict:
@@ -196,7 +234,7 @@ def _target_record(target: Manifest) -> dict:
 def validate_head(torch, head, run, tolerance: float = TOLERANCE["float32"], prompt_len: int = 8,
                   step_len: int = 4) -> dict:
     """ORT vs the torch head run sequentially (its training form): a prefill from zero state,
-    then a step from the prefill's last state; the last position's logits and hidden output, and
+    then a step from the prefill's last state (and cache); the last position's logits and hidden output, and
     the states of all positions."""
     F, R = head.fuse.in_features - head.embed.shape[1], head.state_out.in_features  # F: the input's width
     rng = np.random.default_rng(0)
@@ -205,12 +243,18 @@ def validate_head(torch, head, run, tolerance: float = TOLERANCE["float32"], pro
     with torch.no_grad():
         e, log_a, b = head.gates(torch.from_numpy(ids))
         states = head.scan_loop(log_a, b, torch.zeros(1, R))
-        ref, ref_hid = head.mix(torch.from_numpy(hidden), e, states)
+        ref, ref_hid = head.sequential(torch.from_numpy(hidden), e, states)
         ref_hid = head.padded(ref_hid)
     end = prompt_len + step_len
-    a = run({"input_ids": ids[:, :prompt_len], "hidden_states": hidden[:, prompt_len - 1:prompt_len],
-             "state": np.zeros(R, np.float32)})
-    c = run({"input_ids": ids[:, prompt_len:], "hidden_states": hidden[:, end - 1:], "state": a["states"][-1]})
+    each = head.attn is not None  # the hidden state of every fed position, or of the last one alone
+    first = {"input_ids": ids[:, :prompt_len], "hidden_states": hidden[:, :prompt_len] if each else
+             hidden[:, prompt_len - 1:prompt_len], "state": np.zeros(R, np.float32)}
+    if each:
+        first |= {n: np.zeros((1, head.attn.heads, 0, head.embed.shape[1] // head.attn.heads), np.float32)
+                  for n in PAST}
+    a = run(first)
+    c = run({"input_ids": ids[:, prompt_len:], "hidden_states": hidden[:, prompt_len:] if each else hidden[:, end - 1:],
+             "state": a["states"][-1], **({p: a[q] for p, q in zip(PAST, PRESENT)} if each else {})})
     last = [prompt_len - 1, end - 1]
     diffs = {"max_abs_diff_hidden": float(np.abs(np.concatenate([a["hidden_out"], c["hidden_out"]], 1)
                                                  - ref_hid.numpy()[:, last]).max()),
@@ -236,7 +280,8 @@ def write_head(torch, head, cfg: HeadConfig, target: Manifest, out: Path, run_fo
         if quantize == "int8":  # the embedding's rows on their int8 grid, as stored
             codes, scales = int8_rows(head.embed.detach().numpy())
             head.embed.copy_(torch.from_numpy(codes.astype(np.float32) * scales))
-    build_head_graph(HeadWeights.from_state_dict(head.state_dict(), cfg.rms_norm_eps), out / GRAPH, quantize)
+    build_head_graph(HeadWeights.from_state_dict(head.state_dict(), cfg.rms_norm_eps, cfg.attention_heads),
+                     out / GRAPH, quantize)
     record = validate_head(torch, head, run_for(out / GRAPH), TOLERANCE[quantize or "float32"])
     if not record["passed"]:
         raise ExportError(f"MTP head validation failed: ORT and torch differ ({record}); nothing usable was written")

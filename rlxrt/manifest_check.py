@@ -166,12 +166,16 @@ def parse(cls, data: Any, where: str):
         state = StateLayout(tuple(parsed), st.integer("max_tokens_per_call", 1))
     head = f.table("draft_head", required=False)
     if head is not None:
-        hf = f.sub("draft_head", ("kind", "hidden_size", "target", "draft_vocab", "draft_vocab_ids", "hidden_layers"))
+        hf = f.sub("draft_head", ("kind", "hidden_size", "target", "draft_vocab", "draft_vocab_ids", "hidden_layers",
+                                  "attention_heads"))
         hf.text("kind")
         hf.integer("hidden_size", 1)
         _layers(hf, "hidden_layers", None)
         hf.integer("draft_vocab", 1, vocab, required=False)
         hf.text("draft_vocab_ids", required=False, file_name=True)
+        if hf.integer("attention_heads", 1, required=False) is not None and kv is None:
+            raise ModelFormatError(f"{where}: a draft head with 'draft_head.attention_heads' needs field 'kv_cache' "
+                                   f"(its attention layer's cache); {FIX}")
         if hf.get("target", required=False) is not None:
             hf.sub("target", ("path_or_id", "weights_sha256")).strings(("path_or_id", "weights_sha256"))
     chat = _chat(f, token) if f.get("chat", required=False) is not None else None

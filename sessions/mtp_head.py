@@ -42,6 +42,10 @@ class MtpHead(ModelSpeculator):
             raise ModelFormatError(f"{graph.path} is not an MTP head (its manifest has no draft_head of kind "
                                    "'mtp'); pass a model directory to DraftModel instead")
         self.model = StateModel(graph)
+        self.each = self.model.hidden_each
+        """An attention layer: its cache must hold what the target computed, so a commit keeps the head's
+        positions only up to the last one built from the target's hidden state, and the next ``propose`` feeds
+        the accepted ones again with the verify rows (one call)."""
         self.hidden_size = int(m.draft_head["hidden_size"])
         self.width = self.hidden_size
         self.set_min_prob(min_prob)
@@ -79,7 +83,8 @@ class MtpHead(ModelSpeculator):
     def reset(self) -> None:
         self.model.reset()
         self.last: np.ndarray | None = None
-        """[1, H]: the target's hidden state of the position before the pending token (None: none yet)."""
+        """[1, H]: the target's hidden state of the position before the pending token (None: none yet); with an
+        attention layer, [s, H]: those of every position the head has still to read."""
 
     def prefill(self, ctx: Context, record: Prefill) -> None:
         """Read the prompt's tokens but the pending one; keep the target's hidden state before it."""
@@ -89,9 +94,9 @@ class MtpHead(ModelSpeculator):
             raise GenerationError(f"the MTP head needs the target's hidden states of the {n - 1} prompt positions "
                                   f"before the pending token, got {None if h is None else len(h)} rows; bind the "
                                   "head to a Session whose target was exported with --with-hidden-states")
-        if n > 2:
-            self.model.forward(ctx.tokens[1:n - 1], h[n - 3:n - 2, :self.width])  # only the state is used
-        self.last = h[n - 2:n - 1, :self.width]
+        if n > 2:  # only the state (and the attention's cache) is kept
+            self.model.forward(ctx.tokens[1:n - 1], h[:n - 2, :self.width] if self.each else h[n - 3:n - 2, :self.width])
+        self.last = h[n - 2:n - 1, :self.width] if n > 1 else None
 
     def propose(self, ctx: Context, k: int) -> DraftProposal:
         m = self.model
@@ -104,6 +109,15 @@ class MtpHead(ModelSpeculator):
     def commit(self, ctx: Context, decision: AcceptDecision, verify: VerifyResult) -> None:
         if verify.hidden is None:
             raise GenerationError("the target returned no hidden states; bind the head before generating")
-        self.model.commit(min(len(ctx.tokens) - 2, self.model.length))
         j = len(decision.tokens) - 1  # the verify row that produced the new pending token
-        self.last = verify.hidden[j:j + 1, :self.width]
+        if not self.each:
+            self.model.commit(min(len(ctx.tokens) - 2, self.model.length))
+            self.last = verify.hidden[j:j + 1, :self.width]
+            return
+        real = len(ctx.tokens) - len(decision.tokens) - 1  # positions read with the target's hidden states
+        rows = verify.hidden[:j + 1, :self.width]          # the target's, of the verified positions
+        if self.model.length >= real:
+            self.model.commit(real)
+            self.last = rows
+        else:  # nothing was proposed: those rows wait behind the ones not read yet
+            self.last = rows if self.last is None else np.concatenate([self.last, rows])

@@ -36,6 +36,8 @@ class StateModel(GraphModel):
             raise ModelFormatError(f"{graph.path}: the manifest names state tensors {missing} the graph lacks")
         self.state_inputs = [t.input for t in tensors]
         self.hidden_in = m.inputs.get("hidden_states")
+        self.hidden_each = bool(m.draft_head and m.draft_head.get("attention_heads"))
+        """A head with an attention layer reads the hidden state of every fed position, not the last one's."""
         hidden_out = m.outputs.get("hidden_states")
         self.output_names = [m.outputs["logits"]] + ([hidden_out] if hidden_out else []) \
             + [t.output for t in tensors]
@@ -65,22 +67,26 @@ class StateModel(GraphModel):
 
     def forward(self, tokens, hidden: np.ndarray | None = None, rows: int | None = None) -> np.ndarray:
         """Feed ``tokens`` after the first ``length``; returns their logits [s, V] (the last ``rows`` of them
-        when given). A head is given
-        ``hidden`` [1, H], the last position's hidden state, and returns that position's logits [1, V]."""
+        when given). A head is given ``hidden`` [1, H], the last position's hidden state (one with an attention
+        layer: [s, H], every fed position's), and returns the last position's logits [1, V]."""
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         start = self.length
         if start + len(ids) > self.max_positions:
             raise GenerationError(f"sequence of {start + len(ids)} tokens exceeds the model's max positions "
                                   f"({self.max_positions})")
-        if self.hidden_in is not None and (hidden is None or len(hidden) != 1):
-            raise GenerationError(f"{self.graph.path}: a draft head reads the hidden state of the last fed "
-                                  f"position, one row; got {None if hidden is None else len(hidden)}")
+        if self.hidden_in is not None and (hidden is None or len(hidden) != (len(ids) if self.hidden_each else 1)):
+            raise GenerationError(
+                f"{self.graph.path}: a draft head reads the hidden state of "
+                f"{f'each fed position, {len(ids)} rows' if self.hidden_each else 'the last fed position, one row'}; "
+                f"got {None if hidden is None else len(hidden)}")
         state = self.state(start)
         parts, hid = [], []
         for c in range(0, len(ids), self.chunk):
             part = ids[c:c + self.chunk]
             feeds = {self.ids_name: part[None]}
-            if self.hidden_in is not None:  # earlier chunks only build the state; their outputs are dropped
+            if self.hidden_each:
+                feeds[self.hidden_in] = np.asarray(hidden[c:c + self.chunk], np.float32)[None]
+            elif self.hidden_in is not None:  # earlier chunks only build the state; their outputs are dropped
                 last = c + self.chunk >= len(ids)
                 feeds[self.hidden_in] = np.asarray(hidden if last else np.zeros_like(hidden), np.float32)[None]
             feeds.update(zip(self.state_inputs, state))

@@ -22,7 +22,7 @@ CFG = Config(intra_op_threads=1, cache=False)
 PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
 
 
-def make_head(target_dir, src_dir, out, seed=0, quantize=None):
+def make_head(target_dir, src_dir, out, seed=0, quantize=None, attention_heads=0):
     import torch
     import transformers as tf
 
@@ -31,7 +31,7 @@ def make_head(target_dir, src_dir, out, seed=0, quantize=None):
 
     model = tf.AutoModelForCausalLM.from_pretrained(str(src_dir))
     cfg = HeadConfig(hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size, state_size=24,
-                     intermediate_size=48)
+                     intermediate_size=48, attention_heads=attention_heads)
     torch.manual_seed(seed)
     head = build_head(torch, cfg, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
     with torch.no_grad():

@@ -215,6 +215,30 @@ def test_eval_prompts_measure_the_head_on_chat_requests(exported, corpus, tmp_pa
                                                       for a, d in zip(accepted, drafted)]
 
 
+def test_an_attention_head_trains_and_stays_exact(llama, corpus, tmp_path):
+    """--attention-heads: the head reads every position's hidden state into its cache; greedy equal and the
+    sampled first two tokens follow the target (a sampled round rejects often, so commits cut the cache)."""
+    from lossless import assert_first_two_tokens_follow, two_token_marginals
+
+    from rlxrt.backends import compile
+    from rlxrt.manifest import Manifest
+    from rlxrt.sessions import MtpHead, Session
+    from rlxrt.sessions.state import decoder_for
+
+    out = tmp_path / "head"
+    report = _train(llama, corpus, out, "--draft-vocab", "64", "--attention-heads", "4")
+    m = Manifest.load(out)
+    assert report["validation"]["passed"] and m.draft_head["attention_heads"] == 4 and m.kv_cache.kv_heads == 4
+    plain = Session(llama, None, CFG).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+    g = Session(llama, MtpHead(out, CFG), CFG, k=4).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+    assert g.token_ids == plain.token_ids and g.stats.drafted > 0
+    prompt = [5, 17, 42, 9]
+    p1, p2 = two_token_marginals(decoder_for(compile(llama, CFG)), prompt, SamplingParams(temperature=1.0))
+    s = Session(llama, MtpHead(out, CFG), CFG, k=2)
+    assert_first_two_tokens_follow(s, prompt, p1, p2, draws=4000)
+    assert s.stats.accepted > 0
+
+
 def test_train_head_usage_errors(exported, corpus, tmp_path, capsys):
     no_hidden = exported("llama")
     assert main(["train-head", str(no_hidden), "--corpus", str(corpus), "--out", str(tmp_path / "h")]) == 2
@@ -229,6 +253,9 @@ def test_train_head_usage_errors(exported, corpus, tmp_path, capsys):
     assert main(["train-head", str(exported("llama", with_hidden=True)), "--corpus", str(corpus),
                  "--out", str(tmp_path / "h2"), "--steps", "5", "--resume", "--quiet"]) == 1
     assert "no checkpoint" in capsys.readouterr().err
+    assert main(["train-head", str(exported("llama", with_hidden=True)), "--corpus", str(corpus),
+                 "--out", str(tmp_path / "h4"), "--steps", "5", "--attention-heads", "3", "--quiet"]) == 2
+    assert "--attention-heads 3 must divide the target's hidden size 64" in capsys.readouterr().err
     assert main(["train-head", str(exported("llama", with_hidden=True)), "--corpus", str(corpus),
                  "--out", str(tmp_path / "h3"), "--eval-prompts", str(tmp_path / "missing.json")]) == 2
     assert "--eval-prompts" in capsys.readouterr().err and not (tmp_path / "h3").exists()  # before the target ran

@@ -48,6 +48,10 @@ def add_train_head(add, runtime_flags) -> None:
                         "default: min(4096, vocabulary / 2), see DEFAULT_DRAFT_VOCAB)")
     p.add_argument("--mlp-size", type=int, default=512, metavar="I",
                    help="the width of the head's gated MLP (its hidden size and recurrent state stay as they are)")
+    p.add_argument("--attention-heads", type=int, default=0, metavar="N",
+                   help="give the head a causal self-attention layer of N heads over the earlier positions (EAGLE's; "
+                        "it must divide the target's hidden size): it then sees the context, not only the last "
+                        "hidden state, at a slower training step (default 0: none)")
     p.add_argument("--max-tokens", type=int, default=200_000, help="training tokens the target is run over")
     p.add_argument("--heldout", type=float, default=0.1, help="share of the documents held out (by file)")
     p.add_argument("--quantize", choices=("int8", "int4", "none"), default="int8",
@@ -110,7 +114,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
 
     for flag, value, low in (("--steps", args.steps, 1), ("--batch", args.batch, 1),
                              ("--draft-vocab", args.draft_vocab if args.draft_vocab is not None else 0, 0),
-                             ("--mlp-size", args.mlp_size, 1),
+                             ("--mlp-size", args.mlp_size, 1), ("--attention-heads", args.attention_heads, 0),
                              ("--max-tokens", args.max_tokens, 2 * WINDOW)):
         if value < low:
             raise UsageError(f"{flag} must be >= {low}, got {value}")
@@ -154,6 +158,9 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     model = decoder_for(graph)
     width = model.fetch_hidden()  # the LM head's input, then the residual streams of m.hidden_layers
     hidden_size = width // (1 + len(m.hidden_layers))
+    if args.attention_heads and hidden_size % args.attention_heads:
+        raise UsageError(f"--attention-heads {args.attention_heads} must divide the target's hidden size "
+                         f"{hidden_size}; pass a divisor of it, e.g. {hidden_size // 64 or 1}")
     if m.hidden_layers:
         say(f"train-head: the head reads the residual streams after layers {', '.join(map(str, m.hidden_layers))} "
             "too")
@@ -208,7 +215,7 @@ def _train_and_export(args, torch, graph, config, m, data, held, fit_h, fit_l, v
     torch.manual_seed(args.seed)
     n = 0 if vocab_ids is None else len(vocab_ids)
     cfg = HeadConfig(hidden_size=hidden_size, vocab_size=m.vocab_size, intermediate_size=args.mlp_size, draft_vocab=n,
-                     hidden_layers=tuple(m.hidden_layers))
+                     hidden_layers=tuple(m.hidden_layers), attention_heads=args.attention_heads)
     t = torch.from_numpy
     if vocab_ids is None:  # the full vocabulary: its recovered rows, frozen, in and out (a tied target's exactly)
         head = build_head(torch, cfg, t(w))

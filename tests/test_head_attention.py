@@ -1,0 +1,95 @@
+"""An MTP head with a causal self-attention layer (``train-head --attention-heads``) on real exported graphs:
+its cache after every commit holds exactly what the target computed, and speculation with it stays exact."""
+import numpy as np
+import pytest
+
+import rlxrt
+from rlxrt.backends import compile
+from rlxrt.sampling import SamplingParams
+from rlxrt.speculator import AcceptDecision, Context, Prefill, VerifyResult
+from rlxrt.sessions import MtpHead, Session, StateModel, decoder_for
+
+from test_mtp import CFG, PROMPT, make_head
+
+pytestmark = pytest.mark.export
+
+
+@pytest.fixture(scope="module")
+def target(exported):
+    return exported("llama", seed=0, with_hidden=True)
+
+
+@pytest.fixture(scope="module")
+def attn_head(exported, target, tmp_path_factory):
+    return make_head(target, exported.source("llama", seed=0), tmp_path_factory.mktemp("mtp") / "attn",
+                     attention_heads=4)
+
+
+@pytest.fixture(scope="module")
+def plain(exported):
+    return Session(exported("llama", seed=0), None, CFG).generate(PROMPT, max_new_tokens=40,
+                                                                  ignore_eos=True).token_ids
+
+
+def test_the_head_declares_its_cache_and_is_validated_against_torch(attn_head):
+    m = rlxrt.Manifest.load(attn_head)
+    assert m.draft_head["attention_heads"] == 4
+    kv = m.kv_cache
+    assert (kv.layers, kv.kv_heads, kv.head_dim, kv.names(0)) == \
+        (1, 4, 16, ("past_key.0", "past_value.0", "present_key.0", "present_value.0"))
+    assert m.validation["passed"] and m.validation["max_abs_diff"] < 1e-4  # prefill and a step from its cache
+
+
+def reference_logits(head_dir, tokens, hidden):
+    """The head's first proposal for a context read in one call with the target's own hidden states."""
+    return StateModel(compile(head_dir, CFG)).forward(tokens, hidden)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_after_each_commit_the_next_proposal_equals_reading_the_context_with_the_targets_hidden_states(
+        target, attn_head, k):
+    """Forced accept patterns j = 0..k: the chained drafts wrote the head's own hidden states into its cache,
+    and a commit must leave only the target's."""
+    rng = np.random.default_rng(k)
+    tgt = decoder_for(compile(target, CFG))
+    spec = MtpHead(attn_head, CFG)
+    spec.bind(tgt)
+    ctx = Context(tokens=rng.integers(3, tgt.vocab_size, 9).tolist(), params=SamplingParams(),
+                  rng=np.random.default_rng(0))
+    tgt.forward(ctx.tokens[:-1])
+    spec.prefill(ctx, Prefill(hidden=tgt.hidden))
+    first = []
+    forward = spec.model.forward
+    spec.model.forward = lambda *a: first.append(forward(*a)) or first[-1]
+    patterns = list(range(k + 1)) * 2
+    rng.shuffle(patterns)
+    for j in patterns:
+        ref = decoder_for(compile(target, CFG))
+        ref.fetch_hidden()
+        ref.forward(ctx.tokens[:-1])
+        n = len(ctx.tokens)
+        want = reference_logits(attn_head, ctx.tokens[1:], ref.hidden[:n - 1])
+        first.clear()
+        drafted = spec.propose(ctx, k).tokens
+        np.testing.assert_allclose(first[0], want, atol=1e-4)
+        assert len(drafted) == k and spec.model.kv.cache[0].shape[2] == spec.model.length == n - 1 + k - 1
+        logits = tgt.forward([ctx.tokens[-1], *drafted])
+        new = np.append(drafted[:j], rng.integers(3, tgt.vocab_size))
+        ctx.tokens.extend(new.tolist())
+        tgt.commit(len(ctx.tokens) - 1)
+        spec.commit(ctx, AcceptDecision(j, new.astype(np.int64), bonus=j == k), VerifyResult(logits, hidden=tgt.hidden))
+        assert spec.model.length == n - 1 and len(spec.last) == j + 1  # the verified rows wait for the next round
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_with_an_attention_head_equals_plain_greedy(target, attn_head, plain, k):
+    g = Session(target, MtpHead(attn_head, CFG), CFG, k=k).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+    assert g.token_ids == plain and g.stats.drafted > 0
+
+
+def test_one_token_prompts_and_requests_in_a_row(target, attn_head, exported):
+    s = Session(target, MtpHead(attn_head, CFG), CFG, k=3)
+    plain = Session(exported("llama", seed=0), None, CFG)
+    for prompt in ([7], "class Point:\n", [7]):
+        assert s.generate(prompt, max_new_tokens=20, ignore_eos=True).token_ids == \
+            plain.generate(prompt, max_new_tokens=20, ignore_eos=True).token_ids
