@@ -102,6 +102,8 @@ class MtpHead(ModelSpeculator):
         m = self.model
         k = min(k, m.max_positions - len(ctx.tokens))
         if k <= 0 or self.last is None:  # a one-token prompt: no hidden state before the first round
+            if self.each and self.last is not None:  # unread rows outlive the verify, which rewrites its buffer
+                self.last = self.last.copy()
             return DraftProposal(np.zeros(0, np.int64))
         first = m.forward(ctx.tokens[m.length + 1:], self.last)[0]
         return self.chain(first, k, ctx, lambda x: m.forward((x,), m.hidden)[0])  # chained on its own hidden
