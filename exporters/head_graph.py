@@ -36,11 +36,11 @@ HEAD_INT4 = {"method": "MatMulNBits", "bits": 4, "block_size": 32, "symmetric": 
 HEAD_INT8 = {"method": "MatMulNBits", "bits": 8, "block_size": 32, "symmetric": True, "accuracy_level": 4,
              "covers": "the head's projections and output layer; its input embedding is int8 with one scale a row"}
 QUANTIZATION = {"int4": HEAD_INT4, "int8": HEAD_INT8}
+"""How ``quantize`` stores a head's weights (recorded in its manifest)."""
 CACHE = ("past_key.{i}", "past_value.{i}", "present_key.{i}", "present_value.{i}")
 """The attention layer's cache (a head with ``attention_heads``), [1, heads, L, head size]: the manifest's
 patterns, and the graph's names with layer 0."""
 PAST, PRESENT = tuple(n.format(i=0) for n in CACHE[:2]), tuple(n.format(i=0) for n in CACHE[2:])
-"""How ``quantize`` stores a head's weights (recorded in its manifest)."""
 
 
 def int8_rows(embed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -168,13 +168,10 @@ def build_head(torch, cfg: HeadConfig, embedding, unembedding=None, vocab_ids=No
             x_{p+1}) and the chained one at p + 1 (the head's own hidden state and x_{p+2}), which attends to
             the positions up to p as the graph would (the target's, kept) and to itself."""
             z = self.fused(h, e, states)
-            if self.attn is None:
-                logits1, hid1 = self.block(z)
-                return logits1, hid1, self.block(self.fused(hid1[:, :-1], e[:, 1:], states[:, 1:]))[0]
-            z1, k, v = self.attn(z)
-            logits1, hid1 = self.block(z1)
+            z, k, v = (z, None, None) if self.attn is None else self.attn(z)
+            logits1, hid1 = self.block(z)
             z2 = self.fused(hid1[:, :-1], e[:, 1:], states[:, 1:])
-            return logits1, hid1, self.block(self.attn.chained(z2, k, v))[0]
+            return logits1, hid1, self.block(z2 if self.attn is None else self.attn.chained(z2, k, v))[0]
 
         def out_weight(self):
             return self.embed if self.unembed is None else self.unembed
