@@ -15,7 +15,9 @@ counts decay by 1 % a round). a_i has a prior worth two rounds at the estimate o
 tried yet looks like the one before it, so a run of accepted positions makes the next one worth trying.
 C(k) is the mean of the rounds that drafted k tokens; a k not seen yet is interpolated between the nearest
 ones seen, or extrapolated along the last two (rounds that draft fewer than asked — a request's last
-tokens, a lookup without a match — give the second point), or at 5 % of a round per token from a single one.
+tokens, a lookup without a match — give the second point), or at 5 % of a round per token from a single one;
+an extrapolated token never costs less than 1 % of a round (a timing blip that makes the longer of two rounds
+look cheaper must not make every k look free, which sent a source that drafts nothing right to k_max).
 With several draft sources (a Cascade) each source has its own estimates and its own k. The choice only
 changes how many tokens are drafted, never how they are accepted: output stays exactly the target's.
 """
@@ -26,6 +28,7 @@ import bisect
 PRIOR_FIRST, PRIOR_ROUNDS = 0.5, 2.0  # the first position's prior acceptance, and what a prior weighs
 DECAY = 0.99
 SLOPE = 0.05  # the guess for a token more, as a share of the one round length measured, before a second
+MIN_SLOPE = 0.01  # the least an extrapolated token more costs, as a share of the round it extends
 
 
 class KChoice:
@@ -76,8 +79,8 @@ class KChoice:
         mean = {k: total[k] / rounds[k] for k in seen}
         first, last = seen[0], seen[-1]
         if len(seen) > 1:
-            low = max(0.0, (mean[seen[1]] - mean[first]) / (seen[1] - first))
-            high = max(0.0, (mean[last] - mean[seen[-2]]) / (last - seen[-2]))
+            low = max(MIN_SLOPE * mean[first], (mean[seen[1]] - mean[first]) / (seen[1] - first))
+            high = max(MIN_SLOPE * mean[last], (mean[last] - mean[seen[-2]]) / (last - seen[-2]))
         else:
             low = high = SLOPE * mean[first]
         for k in range(len(rounds)):

@@ -53,6 +53,17 @@ def test_an_unmeasured_k_is_extrapolated_and_interpolated():
     assert abs(c.round_cost(8) - 16 * MS) < 1e-12  # along the last two: 1 ms a token
 
 
+def test_a_longer_round_timed_cheaper_does_not_make_every_k_look_free():
+    """Nothing accepted, and a blip timed the one-token rounds slower than the two-token ones: the costs beyond
+    still rise (at least 1 % of a round a token), so the tiny prior acceptance does not buy k_max."""
+    c = KChoice(2, 8)
+    for _ in range(10):
+        c.observe(2, 0, 10 * MS)
+        c.observe(1, 0, 11 * MS)
+    assert abs(c.round_cost(8) - 10 * MS * (1 + 0.01 * 6)) < 1e-12
+    assert c.ks[0] <= 2
+
+
 def test_each_source_gets_its_own_k():
     c = KChoice(2, 8, sources=2)
     for _ in range(200):
