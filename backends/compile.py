@@ -27,6 +27,7 @@ from rlxrt.manifest import Manifest
 from rlxrt.providers import short_name
 
 from . import cpu_kernels
+from .rows import mixed_rows
 from ._ort import ort_errors
 from .contract import check_contract
 from .hugepages import HugePages, collapse_new, resident_chunks
@@ -83,6 +84,15 @@ class CompiledGraph:
     rows_exact: bool = False
     """Every MatMul-like node and every attention runs rlxrt's kernels: a row's output is bitwise the same alone
     or in a (k+1)-row verification (cpu_kernels.Plan.rows_exact)."""
+    rows_mixed: str | None = None
+    """Why a (k+1)-row verification is not computed like one-row steps, beyond float rounding, and the fix
+    (``rows.mixed_rows``); None when it is. A Session refuses to speculate over such a target."""
+
+    @property
+    def rows(self) -> str:
+        """How a verification's rows compare with one-row steps: ``exact`` (bit for bit), ``rounding`` (float
+        kernels that take other paths for several rows) or ``mixed: why``."""
+        return "exact" if self.rows_exact else f"mixed: {self.rows_mixed}" if self.rows_mixed else "rounding"
 
     @property
     def input_names(self) -> list[str]:
@@ -96,7 +106,7 @@ class CompiledGraph:
         return {
             "path": str(self.path), "providers": self.providers, "requested": self.requested,
             "fallbacks": self.fallbacks, "cache": self.cache, "huge_pages": self.huge_pages.state,
-            "cpu_kernels": self.cpu_kernels, "rows_exact": self.rows_exact,
+            "cpu_kernels": self.cpu_kernels, "rows_exact": self.rows_exact, "rows": self.rows,
             "cache_path": str(self.cache_path) if self.cache_path else None,
             "load_seconds": round(self.load_seconds, 4),
             "inputs": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in self.inputs],
@@ -187,8 +197,8 @@ def compile(model: str | os.PathLike, config: Config | None = None, *,
     proto, ext_files = external_files(graph_path)
     res = registry.resolve(config)
     ort = registry.ort
-    kernels = cpu_kernels.plan(proto, config.cpu_kernels, res.names[0] if res.names else "cpu")
-    del proto
+    provider = res.names[0] if res.names else "cpu"
+    kernels = cpu_kernels.plan(proto, config.cpu_kernels, provider)
 
     cache_state, cache_path, session = "off", None, None
     before = resident_chunks() if config.huge_pages else None
@@ -201,6 +211,8 @@ def compile(model: str | os.PathLike, config: Config | None = None, *,
         session, cache_state, cache_path = _cached_session(ort, graph_path, ext_files, config, res, kernels)
     if session is None:
         session = _fresh_session(ort, graph_path, session_options(ort, config), res, kernels)
+    mixed = mixed_rows(proto, kernels, provider)  # after the session: a failed rewrite falls back to ORT
+    del proto
 
     used = [short_name(p) for p in session.get_providers()]
     fallbacks = list(res.fallbacks)
@@ -226,7 +238,7 @@ def compile(model: str | os.PathLike, config: Config | None = None, *,
         requested=list(config.providers), fallbacks=fallbacks, inputs=inputs, outputs=outputs,
         cache=cache_state, cache_path=cache_path, load_seconds=time.perf_counter() - start, config=config,
         errors=ort_errors(ort), huge_pages=pages, cpu_kernels=kernels.state,
-        rows_exact=bool(kernels.nodes) and kernels.rows_exact,
+        rows_exact=bool(kernels.nodes) and kernels.rows_exact, rows_mixed=mixed,
     )
 
 

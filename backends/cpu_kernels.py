@@ -38,7 +38,7 @@ ATTENTION = "StreamAttention"
 """What GroupQueryAttention becomes (stream_attention.h): a query row computed the same whatever the others."""
 PANEL = 32
 """Columns per packed panel (two 16-float vectors)."""
-KERNEL_VERSION = "2"
+KERNEL_VERSION = "3"
 """Goes into the compile cache key with the plan: a graph rewritten for other packed layouts is never served."""
 LIBRARY_STEM = "_stream_matmul"
 
@@ -145,7 +145,8 @@ def _source(node, inits: dict) -> Source | None:
     """What ``node`` multiplies by when the kernel can take it, else None: x @ W or Gemm(x, W) without bias,
     alpha 1 or x transposed, over a float32 matrix initializer of the main graph; or MatMulNBits over int4
     blocks of 32 without zero points: 4-bit at accuracy level 0 (float32 arithmetic on the dequantised weight),
-    4- or 8-bit at level 4 (int8 activations)."""
+    4- or 8-bit at level 4 (int8 activations); a K that is not a multiple of 32 is read zero-padded to whole
+    blocks (stream_matmul.c)."""
     from onnx import TensorProto
 
     def matrix(name, dtype=TensorProto.FLOAT, rank=2):
@@ -168,11 +169,12 @@ def _source(node, inits: dict) -> Source | None:
         return None
     k, n, bits, level = int(attrs.get("K", 0)), int(attrs.get("N", 0)), attrs.get("bits", 4), attrs.get("accuracy_level", 0)
     kind = {(4, 0): "int4", (4, 4): "int4x8", (8, 4): "int8x8"}.get((bits, level))
-    if kind is None or attrs.get("block_size") != 32 or k % 32:
+    blocks = -(-k // 32)  # a K that is not a multiple of 32 ends in a block padded with weight-0 codes
+    if kind is None or attrs.get("block_size") != 32 or k <= 0:
         return None
     codes, scales = matrix(node.input[1], TensorProto.UINT8, 3), inits.get(node.input[2])
-    if codes is None or list(codes.dims) != [n, k // 32, 4 * bits] or scales is None \
-            or scales.data_type != TensorProto.FLOAT or int(np.prod(scales.dims)) != n * k // 32:
+    if codes is None or list(codes.dims) != [n, blocks, 4 * bits] or scales is None \
+            or scales.data_type != TensorProto.FLOAT or int(np.prod(scales.dims)) != n * blocks:
         return None
     return Source(kind, (codes.name, scales.name), n)
 

@@ -179,7 +179,10 @@ static Status *compute(void *kernel_data, void *context) {
     return fail(api, ORT_INVALID_ARGUMENT, "StreamMatMul: the weight's shape is not the op's packed layout");
   const int64_t *a_dims = dims[0];
   size_t a_rank = rank[0];
-  if (a_rank < 1 || a_dims[a_rank - 1] != K)
+  /* a quantised weight's K is padded to whole blocks of 32 (its padding codes weigh 0): the input may be up to
+   * 31 columns shorter, and is then read through a zero-padded copy */
+  int64_t Ka = a_rank < 1 ? -1 : a_dims[a_rank - 1];
+  if (Ka != K && (kernel->kind == FLOAT_PANELS || Ka <= K - 32 || Ka > K))
     return fail(api, ORT_INVALID_ARGUMENT, "StreamMatMul: the input's last dimension must equal the weight's K");
   int64_t M = 1, N = kernel->n, y_dims[8];
   for (size_t i = 0; i + 1 < a_rank; i++) { M *= a_dims[i]; y_dims[i] = a_dims[i]; }
@@ -191,12 +194,26 @@ static Status *compute(void *kernel_data, void *context) {
   if (s || M == 0 || N == 0) return s;
   Job job = {kernel->kind, (int)kernel->bits, data[0], kernel->kind == FLOAT_PANELS ? data[1] : NULL, data[2],
              kernel->kind == FLOAT_PANELS ? NULL : data[1], {NULL, NULL, NULL}, y, M, K, N, P};
-  void *scratch = NULL;
-  _Alignas(64) char small[16384]; /* a decode step's activations: no allocation */
+  void *scratch = NULL, *padded = NULL;
+  _Alignas(64) char small[16384], small_padded[16384]; /* a decode step's activations: no allocation */
+  if (Ka != K) {
+    size_t bytes = (size_t)(M * K) * sizeof(float);
+    padded = bytes <= sizeof small_padded ? small_padded : malloc(bytes);
+    if (!padded) return fail(api, ORT_FAIL, "StreamMatMul: out of memory");
+    float *rows = padded;
+    for (int64_t r = 0; r < M; r++) {
+      memcpy(rows + r * K, job.a + r * Ka, (size_t)Ka * sizeof(float));
+      memset(rows + r * K + Ka, 0, (size_t)(K - Ka) * sizeof(float));
+    }
+    job.a = rows;
+  }
   if (kernel->kind == INT8_ACTIVATIONS) {
     size_t bytes = (size_t)(M * K) + (size_t)(M * K / 32) * 8;
     scratch = bytes <= sizeof small ? small : malloc(bytes);
-    if (!scratch) return fail(api, ORT_FAIL, "StreamMatMul: out of memory");
+    if (!scratch) {
+      if (padded != small_padded) free(padded);
+      return fail(api, ORT_FAIL, "StreamMatMul: out of memory");
+    }
     float *d = (float *)((char *)scratch + M * K);
     int32_t *sums = (int32_t *)(d + M * K / 32);
     quantise(job.a, M, K, (int8_t *)scratch, d, sums);
@@ -205,6 +222,7 @@ static Status *compute(void *kernel_data, void *context) {
   size_t tasks = (size_t)((P + PANELS_PER_TASK - 1) / PANELS_PER_TASK);
   s = CALL(api, KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(context, task, tasks, 0, &job);
   if (scratch && scratch != small) free(scratch);
+  if (padded && padded != small_padded) free(padded);
   return s;
 }
 

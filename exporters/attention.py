@@ -14,7 +14,7 @@ from rlxrt.manifest import KVCacheLayout, Manifest
 
 from .hidden import HIDDEN, add_hidden_output
 from .validate import hidden_diff, reference_logits, validate
-from .variants import to_fp16, to_int8
+from .variants import DYNAMIC_INT8, to_fp16, to_int8
 
 TASK = "text-generation-with-past"
 PAST = ("past_key_values.{i}.key", "past_key_values.{i}.value", "present.{i}.key", "present.{i}.value")
@@ -52,7 +52,8 @@ class Attention:
         cache_dtype = "float16" if variant == "float16" else "float32"
         inputs, outputs, kv = _kv_layout(graph, model.config.num_hidden_layers, cache_dtype)
         return {"dtype": variant, "inputs": inputs, "outputs": outputs, "kv_cache": kv, "state": None,
-                "max_positions": int(getattr(model.config, "max_position_embeddings", 0) or 0)}
+                "max_positions": int(getattr(model.config, "max_position_embeddings", 0) or 0),
+                "quantization": dict(DYNAMIC_INT8) if variant == "int8" else None}
 
     def validate(self, torch, model, manifest: Manifest, run, tolerance: float, columns=None) -> dict:
         """``columns``: a draft-only graph's N tokens, the columns of PyTorch's logits its own are compared with."""

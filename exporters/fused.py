@@ -67,22 +67,26 @@ def unsupported(config: dict) -> str | None:
 
 
 INT4 = {"method": "MatMulNBits", "bits": 4, "block_size": 32, "symmetric": True, "accuracy_level": 0,
+        "activations": "float32", "rows_alike": "on every kernel set (float32 arithmetic)",
         "exactness": "speculative output equals plain output of THIS quantised graph, not of the fp32 model"}
 """How ``--quantize int4`` stores the MatMul weights (recorded in the manifest): blockwise symmetric int4
 along K, blocks of 32, one float scale per block; the embedding lookup stays fp32. Accuracy level 0
 (fp32 compute), so that a (k+1)-row verification equals one-row steps and speculation stays exact."""
-INT4_INT8 = {**INT4, "accuracy_level": 4, "speculation": False,
-             "exactness": "plain decoding only: with int8 activations a (k+1)-row verification differs from "
-                          "one-row steps, so a Session refuses a speculator on this graph"}
+INT4_INT8 = {**INT4, "accuracy_level": 4, "activations": "int8, per row and block of 32",
+             "rows_alike": "on rlxrt's CPU kernels only (cpu_kernels = rlxrt, or auto where they run AVX-512 VNNI)",
+             "exactness": "speculative output equals plain output of THIS graph where rlxrt's CPU kernels run it; "
+                          "on ONNX Runtime's kernels a Session refuses a speculator on it"}
 """``--int4-compute int8``: the same weights computed at accuracy level 4 (int8 activations), 1.45x faster
 plain decoding on SmolLM2 (3.2x fp32 here). ONNX Runtime computes k+1 rows and one row differently at this
 level (logits apart by up to 0.5; greedy outputs part within ten tokens, measured), so speculation over it
-would not be exact: such a graph serves plain decoding, or drafts for another target (a draft's numbers do
-not touch exactness)."""
+there would not be exact and a Session refuses it (``backends/rows.py``); rlxrt's CPU kernels compute a row
+the same alone or in a verification, and speculate over it exactly. Any such graph may draft for another
+target (a draft's numbers do not touch exactness)."""
 
 
 INT8 = {"method": "MatMulNBits", "bits": 8, "block_size": 32, "symmetric": True, "accuracy_level": 4,
-        "speculation": False,
+        "activations": "int8, per row and block of 32",
+        "rows_alike": "on rlxrt's CPU kernels only (cpu_kernels = rlxrt, or auto where they run AVX-512 VNNI)",
         "exactness": "speculative output equals plain output of THIS quantised graph where rlxrt's CPU kernels run "
                      "it (rows_exact); on ONNX Runtime's kernels a Session refuses a speculator on it"}
 """How ``--quantize int8`` stores a fused graph's MatMul weights: blockwise symmetric 8-bit codes along K

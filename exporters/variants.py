@@ -27,6 +27,14 @@ def to_fp16(src: Path, dst: Path) -> None:
     _save(model16, dst)
 
 
+DYNAMIC_INT8 = {"method": "quantize_dynamic", "bits": 8, "weights": "int8, one scale per tensor",
+                "activations": "int8, one dynamic scale over all rows of a call",
+                "rows_alike": "never: a row's activation scale depends on the rows beside it",
+                "exactness": "plain decoding only: a Session refuses a speculator on this graph (it may draft for "
+                             "another target)"}
+"""How ``--graph portable --quantize int8`` computes (recorded in the manifest)."""
+
+
 def to_int8(src: Path, dst: Path) -> None:
     """Dynamic int8 quantisation of the MatMul/Gemm weights (onnxruntime's quantiser)."""
     import logging

@@ -143,17 +143,8 @@ class Session:
                 f"{self.manifest.vocab_size} tokens (exported with --draft-vocab), so it cannot be the target; bind "
                 "it as the draft (DraftModel(dir) / --draft DIR) of a full-vocabulary target, or re-export it "
                 "without --draft-vocab")
-        if speculator is not None and (self.manifest.quantization or {}).get("speculation") is False \
-                and not graph.rows_exact:
-            q = self.manifest.quantization
-            refit = "--int4-compute fp32" if q.get("bits", 4) == 4 else "--quantize int4 (fp32 compute) or in float32"
-            raise GenerationError(
-                f"{graph.path.parent} is an int{q.get('bits', 4)} graph computed with int8 activations "
-                f"(accuracy level {q.get('accuracy_level')}) on ONNX Runtime's kernels "
-                f"(rlxrt's: {graph.cpu_kernels}): there its (k+1)-row verification differs from one-row steps, so "
-                "speculative output would not equal plain output; decode it without a speculator, compile it with "
-                "cpu_kernels = rlxrt (whose kernels compute a row the same in both), or export the target with "
-                f"{refit} to speculate")
+        if speculator is not None and graph.rows_mixed:
+            raise GenerationError(f"{graph.path.parent} cannot be speculated over exactly: {graph.rows_mixed}")
         self.codec = codec_for(graph)
         self._graph = graph
         self._chat: ChatTemplate | None = None
@@ -369,6 +360,8 @@ class Session:
                 proposal = spec.propose(ctx, k_eff) if k_eff > 0 else _NOTHING
                 t1 = time.perf_counter()
                 drafted = proposal.tokens
+                if len(drafted) > k_eff:  # more would overrun max_new_tokens and the context
+                    raise GenerationError(_overrun(spec, k_eff, len(drafted)))
                 feed = feed_buf[:len(drafted) + 1]
                 feed[0] = ctx.tokens[-1]
                 feed[1:] = drafted
@@ -459,6 +452,11 @@ class Session:
 
 
 _ROWS = np.arange(K_MAX + 1)
+
+
+def _overrun(spec: Speculator, k: int, got: int) -> str:
+    return (f"the speculator {type(spec).__name__} proposed {got} tokens when asked for at most {k}; "
+            "Speculator.propose(ctx, k) must return at most k tokens (fix the speculator)")
 
 
 def _argmax(logits: np.ndarray) -> np.ndarray:

@@ -34,9 +34,10 @@ def make_tokenizer(out: Path, vocab_size: int = 320, chat_template: str | None =
 
 
 def make_model(family: str, out: Path, *, seed: int = 0, layers: int = 2, hidden: int = 64,
-               tokenizer: bool = True, init: float = 0.2, chat_template: str | None = None):
+               tokenizer: bool = True, init: float = 0.2, chat_template: str | None = None,
+               intermediate: int | None = None):
     """Save a random-init causal LM of ``family`` (llama, qwen2, qwen3, mistral, gpt2, mamba, falcon_mamba, jamba)
-    in ``out``."""
+    in ``out``; ``intermediate`` is the MLP's width for the llama-like families (default 2 * hidden)."""
     import torch
     import transformers as tf
 
@@ -66,7 +67,7 @@ def make_model(family: str, out: Path, *, seed: int = 0, layers: int = 2, hidden
                         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
                         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
                         "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[family]
-        cfg = cfg_cls(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        cfg = cfg_cls(hidden_size=hidden, intermediate_size=intermediate or 2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                       tie_word_embeddings=False, **({"head_dim": hidden // 4} if family == "qwen3" else {}), **common)
     torch.manual_seed(seed)

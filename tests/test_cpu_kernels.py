@@ -17,8 +17,9 @@ pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="the kerne
 SHAPES = [(70, 100), (64, 32), (5, 1), (33, 64), (256, 1000), (300, 200), (256, 96)]
 """(K, N): N below, at and past a 32-column panel, a single column, odd K; K >= 256 (a lone row takes 4 strips
 at once there) with and without a partial last panel."""
-Q4_SHAPES = [(64, 100), (32, 1), (576, 70), (96, 32)]
-"""(K, N) of int4 weights: K a multiple of the 32-row block."""
+Q4_SHAPES = [(64, 100), (32, 1), (576, 70), (96, 32), (48, 40), (688 - 640, 33)]
+"""(K, N) of int4 weights: K a multiple of the 32-row block, or not (the last block padded with weight-0 codes,
+as an intermediate size of 688 gives)."""
 
 
 def matmul_model(weights, rank: int = 3, shared: bool = False):
@@ -44,8 +45,8 @@ def int4_model(w: np.ndarray, level: int = 0, zero_points: bool = False):
 
     k, n = w.shape
     codes, scales = int4_blocks(w)
-    unpacked = np.stack([codes & 15, codes >> 4], -1).reshape(n, k).astype(np.float64)
-    dequant = ((unpacked - 8) * np.repeat(scales.reshape(n, -1).astype(np.float64), 32, axis=1)).T
+    unpacked = np.stack([codes & 15, codes >> 4], -1).reshape(n, -1).astype(np.float64)
+    dequant = ((unpacked - 8) * np.repeat(scales.reshape(n, -1).astype(np.float64), 32, axis=1))[:, :k].T
     inits = [numpy_helper.from_array(codes, "codes"), numpy_helper.from_array(scales, "scales")]
     inputs = ["x", "codes", "scales"]
     if zero_points:
@@ -66,7 +67,9 @@ def int8_model(w: np.ndarray):
     from onnx import TensorProto, helper, numpy_helper
 
     k, n = w.shape
-    blocks = w.T.reshape(n, k // 32, 32)
+    padded = np.zeros((-(-k // 32) * 32, n), np.float32)
+    padded[:k] = w
+    blocks = padded.T.reshape(n, -1, 32)
     scales = (np.abs(blocks).max(-1) / 127).astype(np.float32)
     codes = (np.rint(blocks / np.where(scales > 0, scales, 1)[..., None]) + 128).clip(0, 255).astype(np.uint8)
     node = helper.make_node("MatMulNBits", ["x", "codes", "scales"], ["y0"], domain="com.microsoft", K=k, N=n,
@@ -76,12 +79,13 @@ def int8_model(w: np.ndarray):
                               [numpy_helper.from_array(codes, "codes"), numpy_helper.from_array(scales.reshape(-1), "scales")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
                               ir_version=10)
-    return model, codes.reshape(n, k), scales
+    return model, codes.reshape(n, -1), scales
 
 
 def int8_reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, zero: int) -> np.ndarray:
     """stream_int8.h's arithmetic in numpy: activations quantised per row and block of 32 in float32, exact
     integer dot products, then (s * d) * (dot - zero * sum_q) summed over blocks (float64 here)."""
+    x = np.pad(x, ((0, 0), (0, codes.shape[1] - x.shape[1])))  # a K short of whole blocks reads zeros
     m, k = x.shape
     xb = x.reshape(m, k // 32, 32)
     top = np.abs(xb).max(-1)

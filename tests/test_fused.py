@@ -184,14 +184,14 @@ def test_int4_loads_stays_close_and_speculates_exactly(exported, tmp_path):
 
 
 def test_int4_with_int8_compute_decodes_plainly_and_drafts_but_is_never_verified_on_ort(exported, tmp_path):
-    """--int4-compute int8 (accuracy level 4): recorded as not for speculation; plain decoding works, a
+    """--int4-compute int8 (accuracy level 4): recorded with its int8 activations; plain decoding works, a
     Session over ONNX Runtime's kernels refuses any speculator over it with a typed error (and the process goes
     on), and as a DRAFT for an fp32 target it keeps speculation exact (a draft's numbers do not touch
     exactness). Over rlxrt's kernels it speculates exactly: tests/test_cpu_kernels.py."""
     src = exported.source("llama", seed=4, init=0.02)
     fast = tmp_path / "q4i8"
     m = rlxrt.export(src, fast, quantize="int4", int4_compute="int8").manifest
-    assert m.quantization["accuracy_level"] == 4 and m.quantization["speculation"] is False
+    assert m.quantization["accuracy_level"] == 4 and m.quantization["activations"].startswith("int8")
     import onnx
 
     levels = {a.i for n in onnx.load(str(fast / "model.onnx")).graph.node if n.op_type == "MatMulNBits"
@@ -244,10 +244,14 @@ def test_an_int8_fused_graph_drafts_exactly_and_is_verified_only_on_rlxrts_kerne
     own = Session(q8, None, on_rlxrt).generate(PROMPT, max_new_tokens=30, ignore_eos=True).token_ids
     for spec in (PromptLookup(), DraftModel(fp32, on_rlxrt)):
         assert Session(q8, spec, on_rlxrt, k=3).generate(PROMPT, max_new_tokens=30, ignore_eos=True).token_ids == own
-    with pytest.raises(GenerationError, match="int8 graph computed with int8 activations.*--quantize int4"):
+    with pytest.raises(GenerationError, match="int8 activations.*cpu_kernels = rlxrt.*--quantize int4"):
         Session(q8, PromptLookup(), Config(intra_op_threads=1, cache=False, cpu_kernels="ort"))
     portable = rlxrt.export(src, tmp_path / "p8", quantize="int8", graph="portable").manifest
-    assert portable.graph_kind == "portable" and portable.quantization is None
+    assert portable.graph_kind == "portable" and portable.quantization["method"] == "quantize_dynamic"
+    assert "over all rows" in portable.quantization["activations"]
+    for mode in ("ort", "rlxrt"):  # one activation scale over all rows: no kernel set makes rows alike
+        with pytest.raises(GenerationError, match="quantises its activations dynamically.*fused graph"):
+            Session(tmp_path / "p8", PromptLookup(), Config(intra_op_threads=1, cache=False, cpu_kernels=mode))
 
 
 @pytest.mark.parametrize("kwargs, words", [({"quantize": "int4", "graph": "portable"}, "fused graph only"),

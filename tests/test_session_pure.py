@@ -245,3 +245,33 @@ def test_tiny_temperature_generates_the_greedy_output(pair, t):
     for spec in (None, DraftModel(pair[1], CFG), PromptLookup()):
         g = Session(pair[0], spec, CFG, k=2).generate([0], max_new_tokens=12, temperature=t, seed=5)
         assert g.token_ids == greedy
+
+
+class _Greedy(PromptLookup):
+    """A speculator that proposes ``extra`` more tokens than it was asked for."""
+
+    def __init__(self, extra: int):
+        super().__init__()
+        self.extra = extra
+
+    def propose(self, ctx, k):
+        from rlxrt.speculator import DraftProposal
+
+        return DraftProposal(np.zeros(k + self.extra, np.int64))
+
+
+@pytest.mark.parametrize("max_new", [2, 5, 30])
+def test_a_speculator_that_proposes_more_than_k_is_refused_and_never_overruns(pair, max_new):
+    """A custom speculator that ignores k would make a request emit more than max_new_tokens: the round is
+    refused with a typed error naming the speculator, nothing beyond the budget is emitted, and the session
+    serves the next request. (With one token left a round asks for no draft at all.)"""
+    target, _ = pair
+    s = Session(target, _Greedy(extra=1), CFG, k=3)
+    assert len(s.generate([0], max_new_tokens=1).token_ids) == 1
+    with s.stream([0], max_new_tokens=max_new) as stream:
+        with pytest.raises(GenerationError, match="_Greedy proposed .* at most .*must return at most k"):
+            for _ in stream:
+                pass
+    assert len(stream.generation.token_ids) <= max_new and stream.generation.finish_reason == "error"
+    s.speculator.extra = 0
+    assert len(s.generate([0], max_new_tokens=max_new).token_ids) == max_new

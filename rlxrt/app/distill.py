@@ -3,11 +3,11 @@ for ``rlxrt train-head`` (self-distillation).
 
 A head drafts best on the text it will meet when drafting: the target's own replies. Each prompt is rendered
 with the target's chat template when it has one (a user turn), the target replies (rlxrt Session, prompt
-lookup to go faster: exact, so the replies are the target's own; plainly on an int4 graph computed with int8
-activations where ONNX Runtime's kernels run it, which refuses speculation there), and the rendered prompt plus
-the reply (plus the end-of-turn token when the reply ended with it) is one document of the output: a JSON list
-of texts, written after every reply, so that a stopped run continues where it stopped. Temperatures cycle over
-the prompts (``--temperatures 0,0.7``: half greedy, half sampled with a per-prompt seed).
+lookup to go faster: exact, so the replies are the target's own; plainly on a graph whose verification rows
+are not computed like one-row steps, e.g. int8 activations on ONNX Runtime's kernels, where a Session refuses
+speculation), and the rendered prompt plus the reply (plus the end-of-turn token when the reply ended with
+it) is one document of the output: a JSON list of texts, written after every reply, so that a stopped run
+continues where it stopped. Temperatures cycle over the prompts (``--temperatures 0,0.7``: half greedy, half sampled with a per-prompt seed).
 
 With no instructions at hand, ``--self-prompts N`` lets the target write them too (as Magpie does): from its
 chat template's empty user turn it samples a request (temperature 0.7, top-p 0.9, at most 64 tokens), each
@@ -144,9 +144,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
         raise UsageError(f"--out {args.out!r} exists and is not a JSON list; pass a new path")
     config = _config(args, intra_op_threads=2)
     graph = compile(args.target, config)
-    # int8 activations on ONNX Runtime's kernels: no speculator (on rlxrt's, rows are computed alike)
-    plain = (graph.manifest.quantization or {}).get("speculation") is False and not graph.rows_exact
-    session = Session(graph, None if plain else PromptLookup())
+    # a target whose verification rows are not computed like one-row steps takes no speculator
+    session = Session(graph, None if graph.rows_mixed else PromptLookup())
     if args.self_prompts:
         prompts += _self_prompts(session, args, out, exclude)
     prompts = prompts[:args.limit]
