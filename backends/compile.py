@@ -21,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from rlxrt.config import Config, load_config
+from rlxrt.config import Config, check_config, load_config
 from rlxrt.errors import ModelFormatError, ProviderError
 from rlxrt.manifest import Manifest
 from rlxrt.providers import short_name
@@ -190,7 +190,10 @@ def compile(model: str | os.PathLike, config: Config | None = None, *,
     Provider fallbacks are errors under ``config.strict`` and warnings otherwise,
     recorded in ``CompiledGraph.fallbacks``.
     """
-    config = config if config is not None else load_config()
+    config = check_config(config) if config is not None else load_config()
+    if not isinstance(model, (str, os.PathLike)):
+        raise ModelFormatError(f"a model is a path (an .onnx file or a directory made by `rlxrt export`) or a "
+                               f"CompiledGraph, got {type(model).__name__} {str(model)[:80]!r}")
     registry = registry or default_registry()
     start = time.perf_counter()
     graph_path, manifest = locate(model)

@@ -338,16 +338,21 @@ def register(opts) -> None:
         opts.register_custom_ops_library(os.fspath(path))
 
 
-def _read_external(model, base: Path) -> None:
-    """Bring every external tensor of ``model`` into it (onnx's own loader refuses a data file that is a
-    symbolic link, which a user's model directory may well hold)."""
+def _read_external(model, graph: Path) -> None:
+    """Bring every external tensor of ``model`` (the graph file ``graph``) into it, each location checked as
+    ONNX Runtime checks it (``modelfile.external_location``: inside the model directory, within the file).
+    onnx's own loader would refuse a data file that is a symbolic link inside the directory, which a user's
+    model directory may well hold."""
     from onnx import TensorProto
+
+    from .modelfile import external_location
 
     for tensor in model.graph.initializer:
         if tensor.data_location != TensorProto.EXTERNAL:
             continue
+        path = external_location(graph, tensor)
         info = {e.key: e.value for e in tensor.external_data}
-        with open(base / info["location"], "rb") as fh:
+        with open(path, "rb") as fh:
             fh.seek(int(info.get("offset", 0)))
             tensor.raw_data = fh.read(int(info["length"])) if "length" in info else fh.read()
         del tensor.external_data[:]
@@ -358,8 +363,8 @@ def rewritten(graph: Path, chosen: Plan, work: Path) -> Path:
     """``graph`` with the planned MatMuls replaced, written to ``work``/source.onnx (+ .data)."""
     import onnx
 
-    model = onnx.load(os.fspath(graph), load_external_data=False)
-    _read_external(model, graph.parent)
+    model = onnx.load(os.fspath(graph), format="protobuf", load_external_data=False)
+    _read_external(model, graph)
     rewrite(model, chosen)
     out = work / "source.onnx"
     onnx.save_model(model, os.fspath(out), save_as_external_data=True, all_tensors_to_one_file=True,

@@ -129,6 +129,10 @@ def int8_blocks(w: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]
     return _symmetric_blocks(w, block, 127)
 
 
+MAX_CAPACITY = 1 << 20
+"""Positions of a fused graph's KV buffer at most (its rotary tables and each session's buffers hold them all)."""
+
+
 class Spec:
     """The numbers of a Llama-style config.json the graph needs."""
 
@@ -156,6 +160,9 @@ class Spec:
         self.capacity = int(capacity) if capacity else max_pos
         if not 1 <= self.capacity <= max_pos:
             raise ExportError(f"--max-context {capacity} is outside 1..{max_pos} (the model's max positions)")
+        if self.capacity > MAX_CAPACITY:  # its rotary tables and every session's KV buffers are this long
+            raise ExportError(f"the model claims {max_pos} positions; a fused graph holds at most {MAX_CAPACITY}: "
+                              "pass --max-context N (the longest prompt plus reply it must serve)")
         self.windows = [self._window(c, i) for i in range(self.layers)]
         """Per layer: GroupQueryAttention's local_window_size (-1: full attention)."""
         if quantize not in (None, "int4", "int8"):

@@ -54,11 +54,41 @@ def metadata(path: Path) -> dict:
         field = reader.get_field(name)
         return None if field is None else field.contents()
 
+    check_shapes(reader, scalar, path)
     return {"architecture": scalar("general.architecture"),
             "add_bos_token": scalar("tokenizer.ggml.add_bos_token"),
             "bos_token_id": scalar("tokenizer.ggml.bos_token_id"),
             "eos_token_id": scalar("tokenizer.ggml.eos_token_id"), "tokens": scalar("tokenizer.ggml.tokens"),
             "eot_token_id": scalar("tokenizer.ggml.eot_token_id")}
+
+
+def check_shapes(reader, scalar, path: Path) -> None:
+    """The model the metadata describes is the one the file holds, checked before transformers builds a model
+    from the metadata (a 468 KB file claiming 64 blocks of 8192 would otherwise allocate gigabytes): every
+    block the metadata counts has tensors, and the embedding's width and rows and the MLP's width are the
+    metadata's. (Each tensor's bytes lying inside the file was checked when the reader opened it.)"""
+    arch = scalar("general.architecture")
+    tensors = {t.name: t for t in reader.tensors}
+    lie = f"{path.name!r} is damaged or its metadata does not describe its tensors"
+
+    def claim(key):
+        value = scalar(f"{arch}.{key}") if arch else None
+        return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+    blocks = claim("block_count")
+    held = {int(n.split(".")[1]) for n in tensors if n.startswith("blk.") and n.split(".")[1].isdigit()}
+    if isinstance(blocks, int) and (blocks > len(held) or any(i not in held for i in range(blocks))):
+        raise ExportError(f"{lie}: {arch}.block_count says {blocks!r} blocks, the file holds tensors of "
+                          f"{len(held)}")
+    embedding, up = tensors.get("token_embd.weight"), tensors.get("blk.0.ffn_up.weight")
+    tokens = scalar("tokenizer.ggml.tokens")
+    checks = [("embedding_length", claim("embedding_length"), embedding, 0),
+              ("feed_forward_length", claim("feed_forward_length"), up, 1),
+              ("vocab_size", claim("vocab_size"), embedding, 1),
+              ("tokenizer.ggml.tokens", len(tokens) if tokens is not None else None, embedding, 1)]
+    for key, said, tensor, axis in checks:
+        if isinstance(said, int) and tensor is not None and said != int(tensor.shape[axis]):
+            raise ExportError(f"{lie}: {key} says {said!r}, {tensor.name} has {int(tensor.shape[axis])}")
 
 
 def dequantise(path: Path, out: Path, torch, transformers) -> dict:

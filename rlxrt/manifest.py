@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ModelFormatError
-from .files import read_json
+from .files import decode, parse_json, read_model_file
+from .limits import MAX_MANIFEST_BYTES
 
 MANIFEST_NAME = "rlxrt.json"
 SCHEMA = "rlxrt.manifest/1"
@@ -157,10 +158,11 @@ class Manifest:
     @classmethod
     def load(cls, directory: str | os.PathLike) -> "Manifest":
         path = Path(directory) / MANIFEST_NAME
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise ModelFormatError(
                 f"{str(directory)!r} has no {MANIFEST_NAME}; export the model with `rlxrt export SRC OUT`")
-        data = read_json(path, "manifest", ModelFormatError)
+        raw = read_model_file(directory, MANIFEST_NAME, "manifest", MAX_MANIFEST_BYTES)
+        data = parse_json(decode(raw, path, "manifest", ModelFormatError), f"manifest {str(path)!r}", ModelFormatError)
         return cls.from_dict(data, where=str(path))
 
 

@@ -20,11 +20,13 @@ def draft_vocab_ids(graph: CompiledGraph) -> np.ndarray | None:
     m = graph.manifest
     if not m.draft_vocab:
         return None
-    from rlxrt.files import read_json
+    from rlxrt.files import parse_json, read_model_file
+    from rlxrt.limits import MAX_ID_LIST_BYTES
 
     path = graph.path.parent / m.draft_vocab["ids"]
     n = int(m.draft_vocab["size"])
-    ids = read_json(path, "draft_vocab.ids", ModelFormatError)
+    raw = read_model_file(graph.path.parent, m.draft_vocab["ids"], "draft_vocab.ids", MAX_ID_LIST_BYTES)
+    ids = parse_json(raw, f"draft_vocab.ids {str(path)!r}", ModelFormatError)
     arr = np.asarray(ids, np.int64) if isinstance(ids, list) and all(isinstance(i, int) for i in ids) else None
     if arr is None or arr.shape != (n,) or arr[0] < 0 or arr[-1] >= m.vocab_size or bool(np.any(np.diff(arr) <= 0)):
         raise ModelFormatError(f"{path}: draft_vocab.ids must list {n} distinct token ids in ascending order, each "

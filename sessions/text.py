@@ -1,17 +1,25 @@
 """The tokenizer of an exported model (``tokenizers`` only, no transformers)."""
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 
 from rlxrt.errors import ModelFormatError
+from rlxrt.files import decode, read_model_file
+from rlxrt.limits import MAX_TOKENIZER_BYTES
 
 
 class TextCodec:
-    def __init__(self, path: Path):
+    def __init__(self, directory: Path, name: str):
+        """The tokenizer file ``name`` of the model directory ``directory`` (read within the directory's box,
+        ``files.read_model_file``)."""
         from tokenizers import Tokenizer
 
+        path = Path(directory) / name
+        text = decode(read_model_file(directory, name, "tokenizer", MAX_TOKENIZER_BYTES), path, "tokenizer",
+                      ModelFormatError)
         try:
-            self.tokenizer = Tokenizer.from_file(str(path))
+            self.tokenizer = Tokenizer.from_str(text)
         except Exception as exc:
             raise ModelFormatError(f"cannot read tokenizer {str(path)!r}: {exc}; re-export the model") from None
         self.path = path
@@ -35,9 +43,20 @@ class TextCodec:
     def vocab(self) -> dict[str, int]:
         return self.tokenizer.get_vocab(with_added_tokens=True)
 
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """Bytes of UTF-8 the longest token stands for, at most: its own string's (a byte-level token writes a
+        byte as one character, SentencePiece a space as the 3-byte ``▁``, WordPiece adds ``##``)."""
+        return max((len(t.encode("utf-8", "surrogatepass")) for t in self.vocab()), default=1)
+
+    def max_text_bytes(self, positions: int) -> int:
+        """A text of more UTF-8 bytes than this cannot fit in ``positions`` tokens (twice the bound that holds
+        for a tokenizer whose decode gives its text back, for normalisers that drop characters)."""
+        return 2 * positions * self.max_token_bytes
+
 
 def codec_for(graph) -> TextCodec | None:
     m = graph.manifest
     if m is None or not m.tokenizer:
         return None
-    return TextCodec(Path(graph.path).parent / m.tokenizer)
+    return TextCodec(Path(graph.path).parent, m.tokenizer)

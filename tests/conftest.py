@@ -44,6 +44,17 @@ def make_mlp_onnx(path: Path, *, seed: int = 0, hidden: int = 64, external: bool
     return path
 
 
+def link_or_copy(src: Path, dst: Path) -> None:
+    """``dst`` as a hard link to ``src`` (a regular file of its own directory: a symbolic link to a file
+    outside a model directory is refused), or a copy where the two are on different file systems."""
+    import shutil
+
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 @pytest.fixture
 def mlp(tmp_path: Path) -> Path:
     return make_mlp_onnx(tmp_path / "mlp" / "model.onnx")
