@@ -13,8 +13,8 @@ from importlib import import_module
 from typing import Any
 
 from .config import Config, load_config
-from .errors import (ConfigError, ExportError, GenerationError, MissingDependencyError, ModelFormatError,
-                     ProviderError, RlxrtError, UsageError)
+from .errors import (ConfigError, ExportError, GenerationError, InputError, MissingDependencyError,
+                     ModelFormatError, ProviderError, RlxrtError, UsageError)
 from .manifest import Manifest
 
 __version__ = "0.1.0"
@@ -31,7 +31,8 @@ _LAZY = {
 }
 
 __all__ = ["Config", "load_config", "Manifest", "RlxrtError", "ConfigError", "ProviderError",
-           "MissingDependencyError", "ModelFormatError", "ExportError", "GenerationError", "UsageError", "__version__",
+           "MissingDependencyError", "ModelFormatError", "ExportError", "GenerationError", "InputError", "UsageError",
+           "__version__",
            *_LAZY]
 
 

@@ -101,6 +101,26 @@ class Config:
 
 
 FIELD_NAMES = tuple(f.name for f in fields(Config))
+_fields_init = Config.__init__
+
+
+def _init(self, *args: Any, **values: Any) -> None:
+    """Config's own __init__ with an unknown key a ConfigError (naming it and the known ones), not a TypeError."""
+    if args:
+        raise ConfigError(f"Config takes keyword arguments only (e.g. Config(intra_op_threads=1)), got {args!r}")
+    _check_keys(values, "argument")
+    _fields_init(self, **values)
+
+
+Config.__init__ = _init  # type: ignore[method-assign]
+
+
+def check_config(config: Any) -> Config:
+    """``config`` itself when it is a Config; ConfigError naming what was passed instead."""
+    if not isinstance(config, Config):
+        raise ConfigError(f"config must be an rlxrt.Config (e.g. Config(intra_op_threads=1), or "
+                          f"rlxrt.load_config(...)), got {type(config).__name__} {str(config)[:80]!r}")
+    return config
 
 
 def _check_keys(values: Mapping[str, Any], source: str) -> None:

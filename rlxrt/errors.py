@@ -35,4 +35,9 @@ class GenerationError(RlxrtError, ValueError):
 
 
 class UsageError(RlxrtError, ValueError):
-    """Command-line options or arguments that are malformed or exclude each other (exit code 2)."""
+    """Command-line options or arguments that are malformed, missing, or exclude each other (exit code 2)."""
+
+
+class InputError(RlxrtError, ValueError):
+    """A value or file the user gave is unusable: a number outside its range, or a file (prompt file, prompt
+    list, corpus) that is missing, unreadable, too large, not UTF-8 or not what its flag takes (exit code 1)."""

@@ -52,6 +52,10 @@ class MtpHead(ModelSpeculator):
         self.reset()
 
     def bind(self, target: KVModel | StateModel) -> None:
+        if not target.manifest.outputs.get("hidden_states"):  # before the weights: this is what any head needs
+            raise GenerationError(f"the target {target.graph.path.parent} has no hidden_states output, and an MTP "
+                                  "head drafts from the target's hidden states; re-export the target with `rlxrt "
+                                  "export SRC OUT --with-hidden-states`")
         trained_on = (self.model.manifest.draft_head.get("target") or {}).get("weights_sha256")
         actual = target.manifest.source.get("weights_sha256")
         if trained_on and not actual:

@@ -19,6 +19,8 @@ from rlxrt.app.cli import main
 from rlxrt.app.reference import reference_head, reference_pair
 from rlxrt.sessions import DraftModel, MtpHead, PromptLookup, Session
 
+from conftest import link_or_copy
+
 CFG = Config(intra_op_threads=1, cache=False)
 PROMPT = "def add(a, b):\n    return"
 TARGET, DRAFT = reference_pair()
@@ -63,12 +65,12 @@ def files(tmp_path_factory):
 
 
 def model_dir(root: Path, name: str, edit=None, raw: bytes | None = None, source: Path = TARGET) -> Path:
-    """A copy of a shipped model directory (graph linked, not copied) with its manifest edited."""
+    """A copy of a shipped model directory (files hard-linked where possible) with its manifest edited."""
     d = root / name
     d.mkdir()
     for f in source.iterdir():
         if f.name != "rlxrt.json":
-            os.symlink(f, d / f.name)
+            link_or_copy(f, d / f.name)
     if raw is not None:
         (d / "rlxrt.json").write_bytes(raw)
     else:
@@ -279,9 +281,9 @@ CLI = [
     (GEN + ["--speculator", "prompt-lookup", "--draft-providers", "cpu"], USAGE, ["--draft-providers", "no model"]),
     (GEN + ["--prompt-file", "{f}/latin1.txt"], USAGE, ["either --prompt or --prompt-file"]),
     (["generate", "--target", T], USAGE, ["no prompt", "--prompt TEXT"]),
-    (["generate", "--target", T, "--prompt-file", "{f}/nope.txt"], USAGE, ["nope.txt", "does not exist"]),
-    (["generate", "--target", T, "--prompt-file", "{f}/a-dir"], USAGE, ["a-dir", "is a directory"]),
-    (["generate", "--target", T, "--prompt-file", "{f}/latin1.txt"], USAGE, ["latin1.txt", "UTF-8"]),
+    (["generate", "--target", T, "--prompt-file", "{f}/nope.txt"], ERROR, ["nope.txt", "does not exist"]),
+    (["generate", "--target", T, "--prompt-file", "{f}/a-dir"], ERROR, ["a-dir", "is a directory"]),
+    (["generate", "--target", T, "--prompt-file", "{f}/latin1.txt"], ERROR, ["latin1.txt", "UTF-8"]),
     (GEN + ["--threads", "1000000"], ERROR, ["intra_op_threads", "1000000", "0..256"]),
     (GEN + ["--max-new-tokens", "0"], ERROR, ["max_new_tokens", "got 0"]),
     (GEN + ["--temperature", "-1"], ERROR, ["temperature", "-1"]),
@@ -297,30 +299,30 @@ CLI = [
     (["generate", "--target", "{f}/empty-model", "--prompt", "x"], ERROR, ["empty-model", "rlxrt export"]),
     (GEN + ["--max-new-tokens", "many"], USAGE, ["--max-new-tokens", "'many'"]),
     (["bench", "--temperatures", "a,b"], USAGE, ["--temperatures", "'a,b'"]),
-    (["bench", "--ks", "0"], USAGE, ["--ks", "1..32"]),
-    (["bench", "--ks", "2,99"], USAGE, ["--ks", "'2,99'"]),
-    (["bench", "--prompts", "0"], USAGE, ["--prompts", ">= 1"]),
-    (["bench", "--repeats", "0"], USAGE, ["--repeats", ">= 1"]),
-    (["bench", "--max-new-tokens", "-1"], USAGE, ["--max-new-tokens", ">= 1"]),
+    (["bench", "--ks", "0"], ERROR, ["--ks", "1..32"]),
+    (["bench", "--ks", "2,99"], ERROR, ["--ks", "'2,99'"]),
+    (["bench", "--prompts", "0"], ERROR, ["--prompts", ">= 1"]),
+    (["bench", "--repeats", "0"], ERROR, ["--repeats", ">= 1"]),
+    (["bench", "--max-new-tokens", "-1"], ERROR, ["--max-new-tokens", ">= 1"]),
     (["bench", "--head", str(HEAD), "--no-head"], USAGE, ["--head and --no-head"]),
     (["bench", "--hf-target", "{f}"], USAGE, ["--hf-target and --hf-draft"]),
     (["bench", "--draft", D], USAGE, ["--target (and --draft", "or neither"]),
-    (["bench", "--prompt-file", "{f}/bad.json"], USAGE, ["bad.json", "not valid JSON"]),
-    (["bench", "--prompt-file", "{f}/object.json"], USAGE, ["object.json", "JSON list"]),
-    (["bench", "--prompt-file", "{f}/numbers.json"], USAGE, ["entry 0", "non-empty string"]),
-    (["bench", "--prompt-file", "{f}/nope.json"], USAGE, ["nope.json", "does not exist"]),
+    (["bench", "--prompt-file", "{f}/bad.json"], ERROR, ["bad.json", "not valid JSON"]),
+    (["bench", "--prompt-file", "{f}/object.json"], ERROR, ["object.json", "JSON list"]),
+    (["bench", "--prompt-file", "{f}/numbers.json"], ERROR, ["entry 0", "non-empty string"]),
+    (["bench", "--prompt-file", "{f}/nope.json"], ERROR, ["nope.json", "does not exist"]),
     (["bench", "--threads", "-1"], ERROR, ["intra_op_threads", "-1", "0..256"]),
     (["bench", "--providers", "gpu"], ERROR, ["'gpu'", "known providers"]),
-    (["demo", "--prompt-index", "-1"], USAGE, ["--prompt-index", ">= 0"]),
-    (["demo", "--prompt-index", "99"], USAGE, ["--prompt-index 99", "out of range"]),
-    (["demo", "--repeats", "0"], USAGE, ["--repeats", ">= 1"]),
-    (["demo", "--max-new-tokens", "0"], USAGE, ["--max-new-tokens", ">= 1"]),
+    (["demo", "--prompt-index", "-1"], ERROR, ["--prompt-index", ">= 0"]),
+    (["demo", "--prompt-index", "99"], ERROR, ["--prompt-index 99", "out of range"]),
+    (["demo", "--repeats", "0"], ERROR, ["--repeats", ">= 1"]),
+    (["demo", "--max-new-tokens", "0"], ERROR, ["--max-new-tokens", ">= 1"]),
     (["demo", "--draft", D], USAGE, ["both --target and --draft"]),
-    (["demo", "--prompt-file", "{f}/latin1.txt"], USAGE, ["latin1.txt", "UTF-8"]),
+    (["demo", "--prompt-file", "{f}/latin1.txt"], ERROR, ["latin1.txt", "UTF-8"]),
     (["demo", "--threads", "999"], ERROR, ["intra_op_threads", "999", "0..256"]),
     (["demo", "--speculator", "mtp", "--target", str(TARGET), "--draft", D], USAGE,
      ["fits only the shipped target", "rlxrt generate --target DIR --head DIR"]),
-    (["export", "{f}/nope", "{f}/out", "--atol", "-1"], USAGE, ["--atol", "-1"]),
+    (["export", "{f}/nope", "{f}/out", "--atol", "-1"], ERROR, ["--atol", "-1"]),
     (["export", "{f}/nope", "{f}/out"], ERROR, ["nope", "does not exist"]),
     (["export", "{f}/hf-file", "{f}/out2"], ERROR, ["hf-file", "is a file"]),
     (["export", "{f}/llama-config", "{f}/out3", "--graph", "portable", "--greedy-head"], ERROR,

@@ -166,7 +166,7 @@ def test_distill_writes_the_targets_own_dialogues_and_continues(exported, tmp_pa
         assert docs[i] == s.chat_text(messages) + g.text + end
         if temp == 0:  # greedy replies are plain decoding's own
             assert g.token_ids == Session(model).chat(messages, max_new_tokens=24).token_ids
-    assert main([*args, "--temperatures", "-1"]) == 2
+    assert main([*args, "--temperatures", "-1"]) == 1
     assert "--temperatures must lie in 0..10" in capsys.readouterr().err
     assert json.loads(out.read_text()) == docs  # a refused run leaves the corpus alone
 
@@ -268,15 +268,15 @@ def test_distill_self_prompts_end_to_end(exported, tmp_path, capsys):
     assert not partial.exists()
     requests.unlink()
     capsys.readouterr()
-    for saved, message in (({**run, "seed": 10, "tries": 1, "kept": []}, "other --self-prompts, --seed or --exclude"),
-                           ({**run, "tries": "1", "kept": []}, "is damaged")):
+    for saved, message, code in (({**run, "seed": 10, "tries": 1, "kept": []}, "other --self-prompts, --seed or --exclude",
+                                  2), ({**run, "tries": "1", "kept": []}, "is damaged", 1)):
         partial.write_text(json.dumps(saved))
-        assert main(again) == 2
+        assert main(again) == code
         assert message in capsys.readouterr().err and partial.exists() and not requests.exists()
     assert main(["distill", str(model), "--out", str(tmp_path / "x.json")]) == 2
     assert "distill needs --prompts FILE or --self-prompts N" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text('{"not": "a list"}')
-    assert main([*args[:-1], "--out", str(tmp_path / "y.json"), "--exclude", str(tmp_path / "bad.json")]) == 2
+    assert main([*args[:-1], "--out", str(tmp_path / "y.json"), "--exclude", str(tmp_path / "bad.json")]) == 1
     assert "--exclude" in capsys.readouterr().err and not (tmp_path / "y-prompts.json").exists()
     assert main(["distill", str(model), "--prompts", str(written), "--out", str(tmp_path / "z.json"),
                  "--exclude", str(written)]) == 2

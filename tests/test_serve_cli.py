@@ -49,19 +49,20 @@ def _client(port: int):
     return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.mark.parametrize("flags,words", [
-    (["--workers", "0"], "--workers"), (["--port", "70000"], "--port"), (["-k", "4", "--speculator", "none"], "-k"),
-    (["--draft", "x"], "--target"), (["--request-timeout", "0"], "--request-timeout"),
-    (["--target", "t", "--draft", "d", "--head", "h"], "exclude"),
-    (["--target", "t", "--speculator", "prompt-lookup", "--draft", "d"], "drop --draft"),
-    (["--min-draft-prob", "1.5"], "--min-draft-prob must be in [0, 1), got 1.5"),
-    (["--speculator", "prompt-lookup", "--min-draft-prob", "0.3"], "needs a draft model or head"),
-    (["--target", "t", "--adaptive-k"], "--adaptive-k needs a speculator"),
+@pytest.mark.parametrize("flags,words,code", [  # 2: flags that are missing or exclude each other; 1: a value
+    (["--workers", "0"], "--workers", 1), (["--port", "70000"], "--port", 1),
+    (["-k", "4", "--speculator", "none"], "-k", 2),
+    (["--draft", "x"], "--target", 2), (["--request-timeout", "0"], "--request-timeout", 1),
+    (["--target", "t", "--draft", "d", "--head", "h"], "exclude", 2),
+    (["--target", "t", "--speculator", "prompt-lookup", "--draft", "d"], "drop --draft", 2),
+    (["--min-draft-prob", "1.5"], "--min-draft-prob must be in [0, 1), got 1.5", 1),
+    (["--speculator", "prompt-lookup", "--min-draft-prob", "0.3"], "needs a draft model or head", 2),
+    (["--target", "t", "--adaptive-k"], "--adaptive-k needs a speculator", 2),
 ])
-def test_serve_usage_errors(flags, words, capsys):
+def test_serve_usage_errors(flags, words, code, capsys):
     from rlxrt.app.cli import main
 
-    assert main(["serve", *flags]) == 2
+    assert main(["serve", *flags]) == code
     assert words in capsys.readouterr().err
 
 

@@ -246,10 +246,10 @@ def test_train_head_usage_errors(exported, corpus, tmp_path, capsys):
     one = tmp_path / "one.txt"
     one.write_text("just one document")
     assert main(["train-head", str(exported("llama", with_hidden=True)), "--corpus", str(one),
-                 "--out", str(tmp_path / "h")]) == 2
+                 "--out", str(tmp_path / "h")]) == 1
     assert "at least 2" in capsys.readouterr().err
     assert main(["train-head", str(no_hidden), "--corpus", str(corpus), "--out", str(tmp_path / "h"),
-                 "--steps", "0"]) == 2
+                 "--steps", "0"]) == 1
     assert main(["train-head", str(exported("llama", with_hidden=True)), "--corpus", str(corpus),
                  "--out", str(tmp_path / "h2"), "--steps", "5", "--resume", "--quiet"]) == 1
     assert "no checkpoint" in capsys.readouterr().err
@@ -257,7 +257,7 @@ def test_train_head_usage_errors(exported, corpus, tmp_path, capsys):
                  "--out", str(tmp_path / "h4"), "--steps", "5", "--attention-heads", "3", "--quiet"]) == 2
     assert "--attention-heads 3 must divide the target's hidden size 64" in capsys.readouterr().err
     assert main(["train-head", str(exported("llama", with_hidden=True)), "--corpus", str(corpus),
-                 "--out", str(tmp_path / "h3"), "--eval-prompts", str(tmp_path / "missing.json")]) == 2
+                 "--out", str(tmp_path / "h3"), "--eval-prompts", str(tmp_path / "missing.json")]) == 1
     assert "--eval-prompts" in capsys.readouterr().err and not (tmp_path / "h3").exists()  # before the target ran
 
 

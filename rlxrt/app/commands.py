@@ -6,8 +6,9 @@ import json
 import math
 import sys
 
-from rlxrt.errors import UsageError
+from rlxrt.errors import InputError, UsageError
 from rlxrt.files import read_json, read_text
+from rlxrt.limits import MAX_USER_FILE_BYTES
 
 from .speculators import KINDS as SPECULATOR_KINDS
 
@@ -27,9 +28,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .api import export
 
     if args.atol is not None and not (math.isfinite(args.atol) and args.atol > 0):
-        raise UsageError(f"--atol must be a positive number, got {args.atol}")
+        raise InputError(f"--atol must be a positive number, got {args.atol}")
     if args.max_context is not None and args.max_context < 1:
-        raise UsageError(f"--max-context must be >= 1, got {args.max_context}")
+        raise InputError(f"--max-context must be >= 1, got {args.max_context}")
     report = None if args.quiet else (lambda line: print(f"  {line}", file=sys.stderr))
     if not args.quiet:
         print(f"exporting {args.src} -> {args.out}", file=sys.stderr)
@@ -67,11 +68,14 @@ def _prompt(args: argparse.Namespace) -> str:
         raise UsageError("pass either --prompt or --prompt-file, not both")
     if args.prompt_file is not None:
         if args.prompt_file == "-":
-            data = sys.stdin.buffer.read()
+            data = sys.stdin.buffer.read(MAX_USER_FILE_BYTES + 1)
+            if len(data) > MAX_USER_FILE_BYTES:
+                raise InputError(f"the prompt on standard input is longer than {MAX_USER_FILE_BYTES} bytes; send a "
+                                 "shorter one")
             try:
                 return data.decode("utf-8")
             except UnicodeDecodeError:
-                raise UsageError("the prompt on standard input is not UTF-8 text; send UTF-8") from None
+                raise InputError("the prompt on standard input is not UTF-8 text; send UTF-8") from None
         return read_text(args.prompt_file, "--prompt-file")
     if args.prompt is None:
         raise UsageError("no prompt: pass --prompt TEXT or --prompt-file FILE (- for stdin)")
@@ -102,7 +106,7 @@ def _speculator(args: argparse.Namespace, config):
         raise UsageError(f"--{'draft-providers' if args.draft_providers else 'min-draft-prob'} needs a draft model "
                          "or head; prompt lookup runs no model")
     if not 0 <= args.min_draft_prob < 1:
-        raise UsageError(f"--min-draft-prob must be in [0, 1), got {args.min_draft_prob}")
+        raise InputError(f"--min-draft-prob must be in [0, 1), got {args.min_draft_prob}")
     draft_config = config.with_overrides(providers=args.draft_providers) if args.draft_providers else config
     helper = args.draft if model == "draft" else _head(args.head, args.target) if model == "mtp" else None
     return speculators.build(kind, helper, draft_config, args.min_draft_prob)
@@ -184,18 +188,18 @@ def _prompts(args: argparse.Namespace, n: int) -> list[str]:
     elif path.endswith(".json"):
         data = read_json(path, "--prompt-file")
         if not isinstance(data, list):
-            raise UsageError(f"--prompt-file {path!r} must hold a JSON list of prompts, got {type(data).__name__}")
+            raise InputError(f"--prompt-file {path!r} must hold a JSON list of prompts, got {type(data).__name__}")
         prompts = []
         for i, p in enumerate(data):
             text = p.get("prompt") if isinstance(p, dict) else p
             if not isinstance(text, str) or not text:
-                raise UsageError(f"--prompt-file {path!r}: entry {i} must be a non-empty string or "
+                raise InputError(f"--prompt-file {path!r}: entry {i} must be a non-empty string or "
                                  f'{{"prompt": text}}, got {p!r}')
             prompts.append(text)
     else:
         prompts = [read_text(path, "--prompt-file")]
     if not prompts or not prompts[0]:
-        raise UsageError("no prompts: pass --prompt-file (a non-empty text file, or a JSON list of strings)")
+        raise InputError("no prompts: pass --prompt-file (a non-empty text file, or a JSON list of strings)")
     return prompts[:n]
 
 
@@ -203,7 +207,7 @@ def _at_least(args: argparse.Namespace, **flags: int) -> None:
     for name, low in flags.items():
         value = getattr(args, name)
         if value is not None and value < low:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+            raise InputError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -217,7 +221,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     target, draft = _pair(args)
     prompts = _prompts(args, args.prompt_index + 1)
     if args.prompt_index >= len(prompts):
-        raise UsageError(f"--prompt-index {args.prompt_index} is out of range: there are {len(prompts)} prompt(s) "
+        raise InputError(f"--prompt-index {args.prompt_index} is out of range: there are {len(prompts)} prompt(s) "
                          f"(0..{len(prompts) - 1})")
     kind = args.speculator or "draft"
     head = None
@@ -255,7 +259,7 @@ def _demo_smollm2(args: argparse.Namespace) -> int:
         raise UsageError(f"no MTP head for SmolLM2 was found (none is committed, and none is in the work "
                          f"directory); train it with:\n  {build}")
     if args.prompt_index >= len(PROMPTS):
-        raise UsageError(f"--prompt-index {args.prompt_index} is out of range: 0..{len(PROMPTS) - 1}")
+        raise InputError(f"--prompt-index {args.prompt_index} is out of range: 0..{len(PROMPTS) - 1}")
     kind = args.speculator or SPECULATOR
     run_demo(target, None, PROMPTS[args.prompt_index], max_new_tokens=args.max_new_tokens, k=args.k or DEMO_K,
              config=_config(args, intra_op_threads=1), repeats=args.repeats, head=head, chat=True,
@@ -269,7 +273,7 @@ def _numbers(text: str, flag: str, convert, low: float, high: float) -> list:
     except ValueError:
         raise UsageError(f"{flag} must be a comma-separated list of numbers, got {text!r}") from None
     if not values or any(not low <= v <= high for v in values):
-        raise UsageError(f"{flag} values must lie in {low}..{high}, got {text!r}")
+        raise InputError(f"{flag} values must lie in {low}..{high}, got {text!r}")
     return values
 
 
@@ -296,7 +300,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     temps = _numbers(args.temperatures, "--temperatures", float, 0.0, 100.0)
     ks = _numbers(args.ks, "--ks", int, 1, K_MAX)
     if args.min_draft_prob is not None and not 0 < args.min_draft_prob < 1:
-        raise UsageError(f"--min-draft-prob must be in (0, 1), got {args.min_draft_prob}")
+        raise InputError(f"--min-draft-prob must be in (0, 1), got {args.min_draft_prob}")
     config = _config(args, intra_op_threads=1)
     target, draft = _pair(args, draft_optional=True)
     prompts = _prompts(args, args.prompts)

@@ -29,8 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-from rlxrt.errors import UsageError
+from rlxrt.errors import InputError, UsageError
 from rlxrt.files import read_json, read_text
+from rlxrt.limits import MAX_CORPUS_BYTES
 
 
 def add_distill(add, runtime_flags) -> None:
@@ -108,13 +109,13 @@ def read_prompts(path: str, flag: str = "--prompts") -> list[str]:
     if path.lower().endswith(".json"):
         data = read_json(Path(path), flag)
         if not isinstance(data, list) or not all(isinstance(p, str) for p in data):
-            raise UsageError(f"{flag} {path!r}: a .json file must hold a list of prompt strings")
+            raise InputError(f"{flag} {path!r}: a .json file must hold a list of prompt strings")
         prompts = data
     else:
         prompts = read_text(Path(path), flag).splitlines()
     prompts = [p for p in prompts if p.strip()]
     if not prompts:
-        raise UsageError(f"{flag} {path!r} holds no prompt")
+        raise InputError(f"{flag} {path!r} holds no prompt")
     return prompts
 
 
@@ -129,7 +130,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     except ValueError:
         raise UsageError(f"--temperatures must be comma-separated numbers, got {args.temperatures!r}") from None
     if not temps or any(not 0 <= t <= 10 for t in temps) or args.max_new_tokens < 1:
-        raise UsageError(f"--temperatures must lie in 0..10 and --max-new-tokens be >= 1, got {args.temperatures!r} "
+        raise InputError(f"--temperatures must lie in 0..10 and --max-new-tokens be >= 1, got {args.temperatures!r} "
                          f"and {args.max_new_tokens}")
     if args.self_prompts < 0 or (args.prompts is None and args.self_prompts < 1):
         raise UsageError(f"distill needs --prompts FILE or --self-prompts N (N >= 1), got --self-prompts "
@@ -139,9 +140,9 @@ def cmd_distill(args: argparse.Namespace) -> int:
     exclude = [q for f in args.exclude for q in read_prompts(f, "--exclude")]
     prompts = read_prompts(args.prompts) if args.prompts else []
     out = Path(args.out)
-    docs = read_json(out, "--out") if out.is_file() else []
+    docs = read_json(out, "--out", limit=MAX_CORPUS_BYTES) if out.is_file() else []
     if not isinstance(docs, list):
-        raise UsageError(f"--out {args.out!r} exists and is not a JSON list; pass a new path")
+        raise InputError(f"--out {args.out!r} exists and is not a JSON list; pass a new path")
     config = _config(args, intra_op_threads=2)
     graph = compile(args.target, config)
     # a target whose verification rows are not computed like one-row steps takes no speculator
@@ -191,7 +192,7 @@ def _self_prompts(session, args: argparse.Namespace, out: Path, exclude: list[st
         kept, tries = saved.get("kept"), saved.get("tries")
         if not (isinstance(kept, list) and all(isinstance(q, str) for q in kept) and isinstance(tries, int)
                 and len(kept) <= tries <= args.self_prompts * TRIES):
-            raise UsageError(f"{str(partial)!r} is damaged (it needs 'kept', a list of requests, and 'tries'); "
+            raise InputError(f"{str(partial)!r} is damaged (it needs 'kept', a list of requests, and 'tries'); "
                              "delete it to start afresh")
         start = (kept, tries)
     t0 = time.perf_counter()

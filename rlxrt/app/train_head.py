@@ -18,8 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from rlxrt.errors import UsageError
+from rlxrt.errors import InputError, UsageError
 from rlxrt.files import read_json, read_text
+from rlxrt.limits import MAX_CORPUS_BYTES
 
 from .distill import read_prompts
 from .teacher import WINDOW
@@ -78,21 +79,21 @@ def documents(paths: list[str], flag: str = "--corpus", at_least: int = 2) -> li
             files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
             for f in files:
                 try:
-                    docs.append((str(f), f.read_text(encoding="utf-8")))
-                except (UnicodeDecodeError, OSError):
+                    docs.append((str(f), read_text(f, flag, limit=MAX_CORPUS_BYTES)))
+                except InputError:
                     continue  # a directory may hold binary files; named files must be text (below)
         elif path.suffix.lower() == ".json":
-            data = read_json(path, flag)
+            data = read_json(path, flag, limit=MAX_CORPUS_BYTES)
             if not isinstance(data, list) or not all(isinstance(t, str) for t in data):
-                raise UsageError(f"{flag} {raw!r}: a .json corpus must hold a list of texts")
+                raise InputError(f"{flag} {raw!r}: a .json corpus must hold a list of texts")
             docs += [(f"{raw}[{i}]", t) for i, t in enumerate(data)]
         else:
-            docs.append((raw, read_text(path, flag)))
+            docs.append((raw, read_text(path, flag, limit=MAX_CORPUS_BYTES)))
     docs = [(n, t) for n, t in docs if t.strip()]
     if len(docs) < at_least and at_least < 2:
-        raise UsageError(f"{flag} holds no text; pass text files, directories or a .json list of texts")
+        raise InputError(f"{flag} holds no text; pass text files, directories or a .json list of texts")
     if len(docs) < at_least:
-        raise UsageError(f"the corpus holds {len(docs)} non-empty document(s); pass at least 2 (held-out text is "
+        raise InputError(f"the corpus holds {len(docs)} non-empty document(s); pass at least 2 (held-out text is "
                          "split off by document)")
     return docs
 
@@ -117,9 +118,9 @@ def cmd_train_head(args: argparse.Namespace) -> int:
                              ("--mlp-size", args.mlp_size, 1), ("--attention-heads", args.attention_heads, 0),
                              ("--max-tokens", args.max_tokens, 2 * WINDOW)):
         if value < low:
-            raise UsageError(f"{flag} must be >= {low}, got {value}")
+            raise InputError(f"{flag} must be >= {low}, got {value}")
     if not (0 < args.heldout < 1) or not (math.isfinite(args.lr) and args.lr > 0):
-        raise UsageError(f"--heldout must be in (0, 1) and --lr positive, got {args.heldout} and {args.lr}")
+        raise InputError(f"--heldout must be in (0, 1) and --lr positive, got {args.heldout} and {args.lr}")
     requests = read_prompts(args.eval_prompts, "--eval-prompts") if args.eval_prompts else []
     try:
         import torch

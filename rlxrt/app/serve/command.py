@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from rlxrt.errors import MissingDependencyError, UsageError
+from rlxrt.errors import InputError, MissingDependencyError, UsageError
 
 from ..speculators import KINDS as SPECULATORS
 from ..speculators import model_of
@@ -80,7 +80,7 @@ def options_from(args: argparse.Namespace, workers: int, config):
         raise UsageError("-k needs a speculator (--draft, --head or --speculator prompt-lookup); plain decoding "
                          "drafts nothing")
     if args.k is not None and not 1 <= args.k <= 32:
-        raise UsageError(f"-k must be in 1..32, got {args.k}")
+        raise InputError(f"-k must be in 1..32, got {args.k}")
     name = args.model_name or ("rlxrt-reference" if args.target is None else None)
     k = args.k if args.k is not None else SERVE_MODEL_K if model_of(speculator) else None
     return ServeOptions(target=target, speculator=speculator, draft=helper, k=k, config=config,
@@ -107,16 +107,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _require(module, "serve")
     workers = args.workers if args.workers is not None else min(8, os.cpu_count() or 1)
     if not 1 <= workers <= 256:
-        raise UsageError(f"--workers must be in 1..256, got {workers}")
+        raise InputError(f"--workers must be in 1..256, got {workers}")
     if not 0 <= args.port <= 65535:
-        raise UsageError(f"--port must be in 0..65535, got {args.port}")
+        raise InputError(f"--port must be in 0..65535, got {args.port}")
     if not (math.isfinite(args.request_timeout) and args.request_timeout > 0):
-        raise UsageError(f"--request-timeout must be a positive number of seconds, got {args.request_timeout}")
+        raise InputError(f"--request-timeout must be a positive number of seconds, got {args.request_timeout}")
     opts = options_from(args, workers, _config(args, intra_op_threads=default_threads(workers)))
     if args.ray:
         _require("ray", "ray")
         if args.replicas < 1:
-            raise UsageError(f"--replicas must be >= 1, got {args.replicas}")
+            raise InputError(f"--replicas must be >= 1, got {args.replicas}")
         from .run import serve_ray
 
         serve_ray(opts, args.host, args.port, args.replicas, args.ray_address)

@@ -22,7 +22,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from rlxrt.errors import RlxrtError, UsageError
+from rlxrt.errors import InputError, RlxrtError, UsageError
 
 from ..speculators import model_of
 
@@ -206,7 +206,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                              ("--workers", args.workers, 1), ("--threads", args.threads, 0),
                              ("--soak", args.soak if args.soak is not None else 1, 1)):
         if value < low:
-            raise UsageError(f"{flag} must be >= {low}, got {value}")
+            raise InputError(f"{flag} must be >= {low}, got {value}")
     prompts = _prompts(argparse.Namespace(prompt_file=None), 64)
     if args.ks and args.k:
         raise UsageError("pass -k or --ks, not both")
@@ -215,7 +215,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     except ValueError:
         raise UsageError(f"--ks must be comma-separated integers, got {args.ks!r}") from None
     if any(k is not None and not 1 <= k <= 32 for k in ks):
-        raise UsageError(f"draft lengths must be in 1..32, got {args.ks or args.k}")
+        raise InputError(f"draft lengths must be in 1..32, got {args.ks or args.k}")
     plain_flags, spec_flags, name = _server_flags(args, ks[0])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

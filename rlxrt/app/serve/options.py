@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlxrt.config import Config
-from rlxrt.errors import UsageError
+from rlxrt.errors import InputError, UsageError
 
 from ..speculators import KINDS as SPECULATORS
 from ..speculators import model_of
@@ -48,18 +48,18 @@ class ServeOptions:
         if model and not self.draft:
             raise UsageError(f"speculator {self.speculator} needs {'--draft' if model == 'draft' else '--head'} DIR")
         if not 0 <= self.min_prob < 1:
-            raise UsageError(f"--min-draft-prob must be in [0, 1), got {self.min_prob}")
+            raise InputError(f"--min-draft-prob must be in [0, 1), got {self.min_prob}")
         if self.min_prob and not model:
             raise UsageError(f"--min-draft-prob needs a draft model or head; speculator {self.speculator} runs neither")
         if self.adaptive_k and self.speculator == "none":
             raise UsageError("--adaptive-k needs a speculator (--draft, --head or --speculator prompt-lookup); plain "
                              "decoding drafts nothing")
         if not 1 <= self.workers <= 256:
-            raise UsageError(f"--workers must be in 1..256, got {self.workers}")
+            raise InputError(f"--workers must be in 1..256, got {self.workers}")
         if not 0 <= self.max_queue <= 1_000_000:
-            raise UsageError(f"--max-queue must be in 0..1000000, got {self.max_queue}")
+            raise InputError(f"--max-queue must be in 0..1000000, got {self.max_queue}")
         if not 0 < self.request_timeout <= 86_400:
-            raise UsageError(f"--request-timeout must be in (0, 86400] seconds, got {self.request_timeout}")
+            raise InputError(f"--request-timeout must be in (0, 86400] seconds, got {self.request_timeout}")
 
     @property
     def name(self) -> str:
