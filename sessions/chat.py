@@ -1,58 +1,38 @@
 """Chat templates: an instruct model's messages rendered to its prompt text, as transformers'
-``apply_chat_template`` renders them (Jinja in an immutable sandbox, ``trim_blocks``/``lstrip_blocks``, the
-``loopcontrols`` extension, ``raise_exception``, ``strftime_now``, a ``tojson`` that keeps non-ASCII text, and
-``{% generation %}…{% endgeneration %}`` blocks, which mark the assistant's text for training masks and
-render their body unchanged)."""
+``apply_chat_template`` renders them (``template_worker.py`` says how), but in processes of their own under a
+time and memory budget (``renderer.py``), so that a hostile or broken template costs a stopped process and a
+typed error, never a hung or frozen caller."""
 from __future__ import annotations
 
-import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
 from rlxrt.errors import GenerationError, ModelFormatError
-from rlxrt.files import read_text
-from rlxrt.limits import MAX_CHAT_MESSAGES
+from rlxrt.files import decode, read_model_file
+from rlxrt.limits import MAX_CHAT_MESSAGES, MAX_TEMPLATE_BYTES, TEMPLATE_SECONDS
+
+from .renderer import Renderer
 
 NO_TEMPLATE = ("this model has no chat template (its export kept none: the source had no chat_template); "
                "send a plain prompt instead (Session.generate, `rlxrt generate` without --chat, /v1/completions)")
 
 
 class ChatTemplate:
-    def __init__(self, directory: Path, record: dict[str, Any]):
-        source = read_text(directory / record["template"], "the chat template", ModelFormatError)
-        try:
-            import jinja2
-            from jinja2.ext import loopcontrols
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-        except ImportError:  # pragma: no cover - jinja2 is a dependency
-            raise ModelFormatError("chat templates need jinja2: pip install jinja2") from None
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[loopcontrols, _generation_block(jinja2)])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        try:
-            self.template = env.from_string(source)
-        except jinja2.TemplateError as exc:
-            raise ModelFormatError(f"the chat template {str(directory / record['template'])!r} does not parse: "
-                                   f"{exc}; re-export the model or fix the template") from None
-        self.special = {"bos_token": record.get("bos_token") or "", "eos_token": record.get("eos_token") or ""}
+    def __init__(self, directory: Path, record: dict[str, Any], seconds: float = TEMPLATE_SECONDS):
+        path = directory / record["template"]
+        source = decode(read_model_file(directory, record["template"], "chat template", MAX_TEMPLATE_BYTES), path,
+                        "chat template", ModelFormatError)
+        special = {"bos_token": record.get("bos_token") or "", "eos_token": record.get("eos_token") or ""}
+        self.renderer = Renderer(source, special, str(path), seconds)
         self.end_of_turn_ids = tuple(record.get("end_of_turn_ids", ()))
         """Tokens that end a reply (the model's EOS ids and the end-of-turn token)."""
 
-    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True, *, max_chars: int = 1 << 26,
+               seconds: float | None = None) -> str:
         """The prompt text of ``messages`` (a list of {"role": ..., "content": ...}), ending with the assistant's
-        turn opener when ``add_generation_prompt``."""
-        checked = check_messages(messages)
-        try:
-            return self.template.render(messages=checked, tools=None, documents=None,
-                                        add_generation_prompt=bool(add_generation_prompt), **self.special)
-        except GenerationError:
-            raise
-        except Exception as exc:  # jinja2.TemplateError, or a TypeError inside the template's own code
-            raise GenerationError(f"the model's chat template refused these messages: {type(exc).__name__}: "
-                                  f"{exc}") from None
+        turn opener when ``add_generation_prompt``; at most ``max_chars`` characters, within ``seconds`` (default
+        the template's budget, ``TEMPLATE_SECONDS``)."""
+        return self.renderer.render(check_messages(messages), bool(add_generation_prompt), max_chars, seconds)
 
 
 def check_messages(messages) -> list[dict[str, str]]:
@@ -83,25 +63,3 @@ def chat_template_for(graph) -> ChatTemplate | None:
     if m is None or not m.chat:
         return None
     return ChatTemplate(Path(graph.path).parent, m.chat)
-
-
-def _generation_block(jinja2):
-    """The ``{% generation %}`` tag: its body rendered as is (transformers tracks its span; a prompt needs none)."""
-
-    class GenerationBlock(jinja2.ext.Extension):
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.Scope(body).set_lineno(lineno)
-
-    return GenerationBlock
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _raise(message: str):
-    raise GenerationError(f"the model's chat template refused these messages: {message}")

@@ -22,7 +22,7 @@ import numpy as np
 from rlxrt.acceptance import greedy_accept, speculative_accept
 from rlxrt.backends import CompiledGraph, compile
 from rlxrt.checks import as_bool, as_int
-from rlxrt.config import Config
+from rlxrt.config import Config, check_config
 from rlxrt.errors import GenerationError, ModelFormatError
 from rlxrt.limits import K_MAX, MAX_NEW_TOKENS, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from rlxrt.sampling import SamplingParams, make_rng, probs
@@ -125,7 +125,8 @@ class Session:
     ``k`` is the number of tokens drafted per round (default: the speculator's);
     ``adaptive_k`` picks each round's k in 1..k_max from what this Session's rounds have cost and earned
     (the k with the most expected tokens per second; see ``sessions/k_choice.py``), starting from ``k``;
-    a request's own ``k`` then caps its rounds.
+    a request's own ``k`` then caps its rounds. A request with a ``seed`` drafts a fixed k (its own, else
+    ``k``) even then, so that the same seed gives the same sample alone or beside other requests.
     """
 
     def __init__(self, target: str | os.PathLike | CompiledGraph, speculator: Speculator | None = None,
@@ -134,6 +135,8 @@ class Session:
         if speculator is not None and not isinstance(speculator, Speculator):
             raise GenerationError(f"speculator must be an rlxrt Speculator (DraftModel, PromptLookup, MtpHead or a "
                                   f"subclass of rlxrt.speculator.Speculator), got {type(speculator).__name__}")
+        if config is not None:
+            check_config(config)
         graph = target if isinstance(target, CompiledGraph) else compile(target, config)
         self.target = decoder_for(graph)
         self.manifest = self.target.manifest
@@ -211,6 +214,10 @@ class Session:
         max_new = as_int(max_new_tokens, "max_new_tokens", 1, MAX_NEW_TOKENS)
         stops = self._check_stops(stop)
         stop_ids = set() if as_bool(ignore_eos, "ignore_eos") else set(self.manifest.eos_token_ids)
+        if stop_token_ids is not None and (isinstance(stop_token_ids, (str, bytes))
+                                           or not isinstance(stop_token_ids, (Sequence, np.ndarray))):
+            raise GenerationError(f"stop_token_ids must be a list of token ids, got {type(stop_token_ids).__name__} "
+                                  f"{stop_token_ids!r}")
         if stop_token_ids is not None and hasattr(stop_token_ids, "__len__") \
                 and len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise GenerationError(f"stop_token_ids holds {len(stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
@@ -219,11 +226,13 @@ class Session:
         if len(extra) > MAX_STOP_TOKEN_IDS:
             raise GenerationError(f"stop_token_ids holds {len(extra)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
         stop_ids |= set(self._check_ids(extra, "stop_token_ids"))
-        # with adaptive_k a request's own k caps its rounds; otherwise it is their length
-        k = self._check_k(k) if k is not None else self.k if self._k_choice is None else K_MAX
+        # with adaptive_k a request's own k caps its rounds; otherwise it is their length. A seeded request
+        # never adapts: k follows the clock there, and its sample must not (docs/exactness.md, "Seeds")
+        adaptive = self._k_choice is not None and seed is None
+        k = self._check_k(k) if k is not None else K_MAX if adaptive else min(self.k, self.k_max)
         ctx = Context(tokens=list(prompt_ids), params=params, rng=make_rng(seed))
         result = _Result(prompt_ids)
-        return Stream(self._run(result, ctx, max_new, k, stops, stop_ids), result, self._turns)
+        return Stream(self._run(result, ctx, max_new, k, stops, stop_ids, adaptive), result, self._turns)
 
     def chat(self, messages: Sequence[dict], max_new_tokens: int = 128, **kwargs) -> Generation:
         """Reply to ``messages`` ([{"role": "system" | "user" | "assistant", "content": text}, ...]) rendered
@@ -247,15 +256,22 @@ class Session:
             ends += list(stop_token_ids)
         return self.stream(ids, max_new_tokens, stop_token_ids=ends, **kwargs)
 
-    def chat_prompt(self, messages: Sequence[dict]) -> list[int]:
-        """The prompt token ids of ``messages`` under the model's chat template (with the assistant's opener)."""
-        text = self.chat_text(messages)
+    def chat_prompt(self, messages: Sequence[dict], *, seconds: float | None = None) -> list[int]:
+        """The prompt token ids of ``messages`` under the model's chat template (with the assistant's opener);
+        the template renders within ``seconds`` (default ``limits.TEMPLATE_SECONDS``) or the request fails."""
+        text = self.chat_text(messages, seconds=seconds)
         assert self.codec is not None  # an export keeps a template only with its tokenizer
         return self.codec.encode(text, add_special_tokens=False)
 
-    def chat_text(self, messages: Sequence[dict]) -> str:
+    def chat_text(self, messages: Sequence[dict], *, seconds: float | None = None) -> str:
         """``messages`` rendered with the model's chat template, the assistant's opener included."""
-        return self._chat_template().render(messages, add_generation_prompt=True)
+        return self._chat_template().render(messages, add_generation_prompt=True, max_chars=self._max_prompt_bytes,
+                                            seconds=seconds)
+
+    @property
+    def _max_prompt_bytes(self) -> int:
+        assert self.codec is not None
+        return self.codec.max_text_bytes(self.manifest.max_positions)
 
     @property
     def has_chat_template(self) -> bool:
@@ -273,6 +289,8 @@ class Session:
     def _check_stops(self, stop) -> list[str]:
         if isinstance(stop, (bytes, bytearray)):
             raise GenerationError(f"stop must be text or a list of texts, got bytes {bytes(stop)[:40]!r}; decode it")
+        if stop is not None and not isinstance(stop, (str, Sequence)):
+            raise GenerationError(f"stop must be text or a list of texts, got {type(stop).__name__} {stop!r}")
         if stop is not None and hasattr(stop, "__len__") and not isinstance(stop, str) and len(stop) > MAX_STOP_STRINGS:
             raise GenerationError(f"{len(stop)} stop strings given; at most {MAX_STOP_STRINGS} are allowed")
         stops = [stop] if isinstance(stop, str) else list(stop) if stop is not None else []
@@ -300,6 +318,10 @@ class Session:
         if isinstance(prompt, str):
             if self.codec is None:
                 raise GenerationError("this model was exported without a tokenizer; pass the prompt as token ids")
+            if len(prompt) > self._max_prompt_bytes or len(prompt.encode("utf-8", "surrogatepass")) > \
+                    self._max_prompt_bytes:  # checked before tokenising it
+                raise GenerationError(f"the prompt has {len(prompt)} characters, more than the "
+                                      f"{self.manifest.max_positions} positions of the model can hold; shorten it")
             ids = self.codec.encode(prompt)
         elif isinstance(prompt, np.ndarray):
             if prompt.ndim != 1:
@@ -318,7 +340,7 @@ class Session:
         return ids
 
     def _run(self, result: _Result, ctx: Context, max_new: int, k: int, stops: list[str],
-             stop_ids: set[int]) -> Iterator[str]:
+             stop_ids: set[int], adaptive: bool) -> Iterator[str]:
         claim = result.claim  # taken by Stream.__next__ before this first step
         target, spec = self.target, self.speculator
         prompt_len = len(ctx.tokens)
@@ -344,10 +366,10 @@ class Session:
             run0 = target.run_seconds + (spec.run_seconds if spec else 0.0)  # decode only, like decode_seconds
             greedy = ctx.params.greedy
             ids_only = greedy and target.greedy_ids  # the graph's greedy head: argmax ids, no logits
-            choice = self._k_choice if spec is not None else None
+            choice = self._k_choice if spec is not None and adaptive else None
             k_now = min(choice.k, k) if choice is not None else k
-            if choice is not None and spec.drafters > 1:
-                spec.set_ks(choice.ks)
+            if spec is not None and spec.drafters > 1 and self._k_choice is not None:
+                spec.set_ks(choice.ks if choice is not None else [k] * spec.drafters)
             feed_buf = np.empty(K_MAX + 1, np.int64)  # the pending token and the drafts of a round
             while True:
                 generated = len(ctx.tokens) - prompt_len

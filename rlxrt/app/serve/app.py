@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
@@ -21,7 +22,12 @@ log = logging.getLogger("rlxrt.serve")
 POLL = 0.25
 """Seconds between checks that a waiting client is still connected."""
 MAX_BODY = 8 << 20
-"""Largest request body (bytes)."""
+"""Largest request body (bytes): refused from its Content-Length before anything is read, or as soon as a
+chunked body passes it."""
+PREPARE_THREADS = 16
+"""Threads of each of the two executors that prepare requests (chat templates; tokenising)."""
+PROBE = ([{"role": "user", "content": "hi"}], [{"role": "system", "content": "hi"}, {"role": "user", "content": "hi"}])
+"""The chats a server renders at start: the template loads and serves at least one of them."""
 
 
 class Server:
@@ -36,15 +42,40 @@ class Server:
         if s.codec is None:
             raise UsageError(f"{s.manifest.source.get('path_or_id', 'the target')!r} was exported without a "
                              "tokenizer; the server answers with text, so it needs one: re-export with the tokenizer")
+        # rendering waits on the template's own processes, tokenising runs here: neither starves the other
+        self.renderers = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="rlxrt-render")
+        self.tokenisers = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="rlxrt-tokenise")
         if s.has_chat_template:
-            s.chat_prompt([{"role": "user", "content": "hi"}])  # a template that does not load fails now
+            self._probe_template()
 
-    def work(self, req: api.Request) -> Work:
+    def _probe_template(self) -> None:
+        """Load the template (a template that does not parse stops the start) and render a one-message chat,
+        or one with a system message for templates that require it; a template that refuses both, or runs
+        past its budget, is reported and the server starts anyway (completions need no template)."""
+        errors = []
+        for messages in PROBE:
+            try:
+                self.session.chat_prompt(messages)
+                return
+            except GenerationError as exc:
+                errors.append(str(exc))
+        log.warning("the model's chat template renders neither a user message nor a system and a user message "
+                    "(%s); chat requests will get its errors", errors[-1])
+
+    def close(self) -> None:
+        self.renderers.shutdown(wait=False, cancel_futures=True)
+        self.tokenisers.shutdown(wait=False, cancel_futures=True)
+
+    def work(self, req: api.Request, deadline: float) -> Work:
         """The prompt ids and generation arguments of a checked request (400 for what only the model can
-        refuse: no tokenizer, no chat template, a prompt too long, token ids out of range)."""
+        refuse: no tokenizer, no chat template, a prompt too long, token ids out of range); the chat template
+        renders before ``deadline`` (time.monotonic()) or the request fails."""
         s = self.session
         try:  # the Session's own checks: the template exists, ids in range, the prompt fits the context
-            ids = s.prompt_ids(s.chat_prompt(req.messages) if req.chat else req.prompt)
+            seconds = deadline - time.monotonic()
+            if seconds <= 0:
+                raise TimeoutError
+            ids = s.prompt_ids(s.chat_prompt(req.messages, seconds=seconds) if req.chat else req.prompt)
         except GenerationError as exc:
             raise api.ApiError(400, str(exc), "messages" if req.chat else "prompt") from None
         extra = list(s.manifest.chat["end_of_turn_ids"]) if req.chat and not req.ignore_eos else []
@@ -53,8 +84,8 @@ class Server:
                       seed=req.seed, stop=req.stop or None, stop_token_ids=extra or None, ignore_eos=req.ignore_eos)
         return Work(ids, kwargs)
 
-    def submit(self, work: Work) -> Job:
-        job = Job(work, asyncio.get_running_loop(), deadline=time.monotonic() + self.request_timeout)
+    def submit(self, work: Work, deadline: float) -> Job:
+        job = Job(work, asyncio.get_running_loop(), deadline=deadline)
         try:
             self.pool.submit(job)
         except QueueFull as exc:
@@ -93,6 +124,33 @@ def _failure(kind: str, value: Any, started: bool = False) -> api.ApiError:
     return api.ApiError(500, f"internal error ({type(value).__name__}); see the server log", None, "server_error")
 
 
+async def read_body(request) -> bytes | None:
+    """The request's body, checked before it is read: a Content-Length over ``MAX_BODY`` or beside a
+    Transfer-Encoding is refused at once, a chunked body as soon as it passes ``MAX_BODY``; None when the
+    client went away while sending it."""
+    from starlette.requests import ClientDisconnect
+
+    length = request.headers.get("content-length")
+    if length is not None and "transfer-encoding" in request.headers:
+        raise api.ApiError(400, "the request has both Content-Length and Transfer-Encoding; send one of them")
+    if length is not None:
+        if not length.isdigit():
+            raise api.ApiError(400, f"Content-Length {length[:40]!r} is not a number of bytes")
+        if int(length) > MAX_BODY:
+            raise api.ApiError(413, f"the request body has {length} bytes; at most {MAX_BODY} are accepted")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY:
+                raise api.ApiError(413, f"the request body passed {MAX_BODY} bytes, the most accepted")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        log.info("a client disconnected while sending its request body")
+        return None
+    return b"".join(chunks)
+
+
 def build_app(server: Server):
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
@@ -103,6 +161,7 @@ def build_app(server: Server):
     async def lifespan(app):
         yield
         await asyncio.to_thread(server.pool.close)  # in-flight requests have finished (uvicorn waited for them)
+        server.close()
 
     app = FastAPI(title="rlxrt", lifespan=lifespan)
 
@@ -148,15 +207,18 @@ def build_app(server: Server):
         return Response(data, media_type=content_type)
 
     async def generate(request: Request, chat: bool):
-        raw = await request.body()
-        if len(raw) > MAX_BODY:
-            raise api.ApiError(413, f"the request body has {len(raw)} bytes; at most {MAX_BODY} are accepted")
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise api.ApiError(400, "the request body is not JSON") from None
-        req = api.parse(body, chat, server.model)
-        job = server.submit(await asyncio.to_thread(server.work, req))  # templates and tokenising: off the loop
+        deadline = time.monotonic() + server.request_timeout  # templates, tokenising and the queue count too
+        raw = await read_body(request)
+        if raw is None:
+            return Response(status_code=499)
+        req = api.parse(api.parse_body(raw), chat, server.model)
+        loop = asyncio.get_running_loop()
+        try:  # off the event loop
+            work = await loop.run_in_executor(server.renderers if chat else server.tokenisers, server.work, req,
+                                              deadline)
+        except TimeoutError:
+            raise _failure("timeout", None) from None
+        job = server.submit(work, deadline)
         watcher = asyncio.create_task(_watch(job, request))
         streaming = False
         try:

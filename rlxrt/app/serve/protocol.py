@@ -6,6 +6,7 @@ the output and that rlxrt does not implement is refused, never silently ignored.
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -19,6 +20,8 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop"
 COMPLETION = COMMON | {"prompt", "echo", "suffix", "best_of"}
 CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "response_format",
                  "parallel_tool_calls"}
+MAX_DEPTH = 32
+"""Levels of nesting a request body may have (OpenAI's bodies have five or six)."""
 # fields accepted only at the value that leaves the output unchanged
 NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},), "logprobs": (False, 0),
            "echo": (False,), "suffix": ("",), "best_of": (1,), "top_logprobs": (0,), "tools": ([],),
@@ -66,10 +69,23 @@ class Request:
     ignore_eos: bool
 
 
+def parse_body(raw: bytes) -> Any:
+    """The request body's JSON (400 when it is not JSON or nests absurdly deep)."""
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError(400, "the request body is not JSON") from None
+    except RecursionError:
+        raise ApiError(400, f"the request body nests deeper than {MAX_DEPTH} levels") from None
+
+
 def parse(body: Any, chat: bool, model: str) -> Request:
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     _check_text(body)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad("user", f"must be a string (an end-user id), got {str(user)[:80]!r}")
     allowed = CHAT if chat else COMPLETION
     unknown = sorted(set(body) - allowed)
     if unknown:
@@ -105,22 +121,26 @@ def parse(body: Any, chat: bool, model: str) -> Request:
                    ignore_eos=_flag(body, "ignore_eos"))
 
 
-def _check_text(value, where: str = "body") -> None:
+def _check_text(body: dict) -> None:
     """Every string of the body must be text UTF-8 can carry (JSON allows lone surrogates, which no
-    tokenizer can encode)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise bad(where, "holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text; send valid "
-                             "Unicode") from None
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _check_text(k, where)
-            _check_text(v, k if where == "body" and isinstance(k, str) else where)
-    elif isinstance(value, list):
-        for v in value:
-            _check_text(v, where)
+    tokenizer can encode), and the body nests at most ``MAX_DEPTH`` levels; walked without recursion."""
+    todo = [(body, "body", 1)]
+    while todo:
+        value, where, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            raise ApiError(400, f"the request body nests deeper than {MAX_DEPTH} levels (at {where!r})")
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad(where, "holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text; send valid "
+                                 "Unicode") from None
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                todo.append((k, where, depth))
+                todo.append((v, k if where == "body" and isinstance(k, str) else where, depth + 1))
+        elif isinstance(value, list):
+            todo.extend((v, where, depth + 1) for v in value)
 
 
 def _same(a, b) -> bool:

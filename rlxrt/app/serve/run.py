@@ -14,12 +14,40 @@ def serve_uvicorn(opts: ServeOptions, host: str, port: int, log_level: str = "in
 
     from .app import build_app
 
+    sock = bind(host, port)  # a busy port is an error before anything is built or said
     server = make_server(opts)
     spec = server.session.speculator_name
+    port = sock.getsockname()[1]
     print(f"rlxrt: serving {server.model!r} on http://{host}:{port}/v1 ({opts.workers} worker(s), speculator "
           f"{spec}, providers {', '.join(server.session.target.providers)})", file=sys.stderr, flush=True)
-    uvicorn.run(build_app(server), host=host, port=port, log_level=log_level,
-                timeout_graceful_shutdown=graceful_seconds if graceful_seconds is not None else opts.request_timeout)
+    config = uvicorn.Config(build_app(server), log_level=log_level, timeout_graceful_shutdown=graceful_seconds
+                            if graceful_seconds is not None else opts.request_timeout)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def bind(host: str, port: int):
+    """A listening socket on host:port (port 0: a free one); RlxrtError naming them when it cannot be had."""
+    import socket
+
+    from rlxrt.errors import RlxrtError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise RlxrtError(f"--host {host!r} is not an address of this machine ({exc.strerror}); pass e.g. 127.0.0.1 "
+                         "or 0.0.0.0") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise RlxrtError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); pick another --port, or stop the "
+                         "program that holds it") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def serve_ray(opts: ServeOptions, host: str, port: int, replicas: int, address: str | None = None) -> None:
