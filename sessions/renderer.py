@@ -62,9 +62,12 @@ class _Process:
         return json.loads(line)
 
     def close(self) -> None:
+        """Stop the process and reap it (no zombie left behind)."""
         try:
             self.proc.kill()
-        except OSError:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
             pass
 
 

@@ -129,6 +129,29 @@ def test_a_damaged_id_list_is_refused(reduced, tmp_path, ids, words):
         DraftModel(d, CFG)
 
 
+@pytest.mark.parametrize("swap, words", [("fifo", "not a regular file"), ("outside", "outside the directory"),
+                                         ("huge", "more than the")])
+def test_an_id_list_that_is_no_file_of_the_directory_is_refused(reduced, tmp_path, swap, words):
+    """The id list is one of the model directory's files: a FIFO (never opened blocking), a link to a file
+    elsewhere or a file past its bound is refused, naming it."""
+    import os
+    import shutil
+
+    d = tmp_path / "d"
+    shutil.copytree(reduced["other"], d)
+    ids = d / "draft_vocab.json"
+    if swap == "fifo":
+        ids.unlink()
+        os.mkfifo(ids)
+    elif swap == "outside":
+        shutil.move(ids, tmp_path / "ids.json")
+        os.symlink(tmp_path / "ids.json", ids)
+    else:
+        os.truncate(ids, 100 << 20)
+    with pytest.raises(ModelFormatError, match=f"draft_vocab.ids.*{words}"):
+        DraftModel(d, CFG)
+
+
 def test_a_draft_only_export_is_refused_as_a_target(reduced):
     with pytest.raises(ModelFormatError, match="draft-only export.*64 of the 320 tokens.*--draft DIR"):
         Session(reduced["other"], None, CFG)

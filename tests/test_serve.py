@@ -103,6 +103,36 @@ def test_adaptive_k_serves_plain_greedy():
         server.stop()
 
 
+def test_seeded_sampled_requests_with_adaptive_k_are_the_same_alone_and_concurrent():
+    """The seed contract under adaptive k: 32 seeded sampled requests sent at once, beside unseeded ones that
+    move every worker's k, equal the same requests sent one at a time, and a fresh Session's answers."""
+    server = Running(options(TARGET, "draft", DRAFT, k=2, adaptive_k=True))
+    try:
+        c = server.client()
+        requests = [(PROMPTS[i % len(PROMPTS)], 1000 + i, 0.3 + 0.1 * (i % 8)) for i in range(32)]
+
+        def ask(prompt, seed, t):
+            return c.completions.create(model="m", prompt=prompt, max_tokens=40, temperature=t, seed=seed,
+                                        extra_body={"ignore_eos": True}).choices[0].text
+
+        alone = [ask(*r) for r in requests]
+        out: list = [None] * 32
+        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, ask(*requests[i]))) for i in range(32)]
+        threads += [threading.Thread(target=lambda p=p: c.completions.create(  # unseeded: k adapts meanwhile
+            model="m", prompt=p, max_tokens=60, temperature=0.8)) for p in PROMPTS[:8]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert out == alone
+        assert len(set(alone)) > 16  # the seeds matter
+        fresh = Session(TARGET, DraftModel(DRAFT, CPU), CPU, k=2, adaptive_k=True)
+        assert [fresh.generate(p, max_new_tokens=40, temperature=t, seed=s, ignore_eos=True).text
+                for p, s, t in requests[:8]] == alone[:8]
+    finally:
+        server.stop()
+
+
 def test_chat_and_streaming(spec, direct):
     c = spec.client()
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
