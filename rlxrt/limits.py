@@ -36,5 +36,5 @@ MAX_ID_LIST_BYTES = 64 << 20
 """A model directory's list of token ids (a draft-only export's ``draft_vocab`` ids)."""
 TEMPLATE_SECONDS = 5.0
 """Seconds a chat template may take to render one request (its own process is stopped then)."""
-TEMPLATE_MEMORY_BYTES = 1 << 30
+TEMPLATE_MEMORY_BYTES = 512 << 20
 """Address space of a chat template's renderer process."""

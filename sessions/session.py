@@ -11,6 +11,7 @@ create one Session each; they can share one compiled graph.
 """
 from __future__ import annotations
 
+import logging
 import numbers
 import os
 import time
@@ -37,6 +38,8 @@ from .text import codec_for
 from .turns import Claim, Turns
 
 _NOTHING = DraftProposal(np.zeros(0, np.int64))
+HALF = ("float16", "bfloat16")
+log = logging.getLogger("rlxrt")
 
 
 @dataclass
@@ -148,6 +151,11 @@ class Session:
                 "without --draft-vocab")
         if speculator is not None and graph.rows_mixed:
             raise GenerationError(f"{graph.path.parent} cannot be speculated over exactly: {graph.rows_mixed}")
+        if speculator is not None and not graph.rows_exact and self.manifest.dtype in HALF:
+            log.warning("speculating over %s, a %s graph on kernels that compute a verification's rows apart from "
+                        "one-row steps: they agree to %s rounding, so greedy output can part from plain greedy "
+                        "output where two tokens tie that closely (docs/exactness.md)", graph.path.parent,
+                        self.manifest.dtype, self.manifest.dtype)
         self.codec = codec_for(graph)
         self._graph = graph
         self._chat: ChatTemplate | None = None

@@ -115,7 +115,9 @@ def answer(state: dict, line: bytes) -> dict:
         return {"error": f"line {exc.lineno}: {exc.message}", "kind": "syntax"}
     except Refused as exc:
         return {"error": str(exc), "kind": "refused"}
-    except (Limit, MemoryError, RecursionError, OverflowError) as exc:
+    except MemoryError:
+        return {"error": "MemoryError: it needed more than the renderer's memory", "kind": "limit"}
+    except (Limit, RecursionError, OverflowError) as exc:
         return {"error": f"{type(exc).__name__}: {str(exc)[:300]}", "kind": "limit"}
     except Exception as exc:  # a TypeError or SecurityError inside the template's own code
         return {"error": f"{type(exc).__name__}: {str(exc)[:300]}", "kind": "refused"}

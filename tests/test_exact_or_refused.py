@@ -96,3 +96,28 @@ def test_every_variant_is_exact_or_refused(exports, shape):
             if name == "portable-int8":
                 assert "dynamically" in why and "cpu_kernels = rlxrt" not in why, why
     assert table == EXPECTED, {key: (table[key], EXPECTED[key]) for key in table if table[key] != EXPECTED[key]}
+
+
+if __name__ == "__main__":  # the matrix for the record: python tests/test_exact_or_refused.py
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from conftest import _Exports
+
+    root = Path(tempfile.mkdtemp())
+    made = _Exports(root)
+    draft = made("llama", seed=9, layers=1, init=0.02)
+    print("| shape | variant | kernels | outcome |\n| --- | --- | --- | --- |")
+    for shape, width in SHAPES.items():
+        src = made.source("llama", seed=4, init=0.02, **({"intermediate": width} if width else {}))
+        for name, kwargs in VARIANTS.items():
+            try:
+                target = rlxrt.export(src, root / f"{shape}-{name}", **kwargs).path
+            except ExportError as exc:
+                print(f"| {shape} | {name} | both | export refused: {exc} |")
+                continue
+            for kernels in ("rlxrt", "ort"):
+                kind, why = outcome(target, draft, kernels)
+                print(f"| {shape} | {name} | {kernels} | {kind}{': ' + why.split(': ', 1)[1][:160] if why else ''} |")

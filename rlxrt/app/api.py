@@ -16,7 +16,9 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32
 
     Returns ``rlxrt.exporters.ExportResult`` (path, manifest, seconds per step).
     ``dtype`` is fp32 or fp16; ``quantize="int8"`` stores a fused graph's weights as 8-bit blocks computed with
-    int8 activations (for drafts), a portable graph's as dynamic int8. Validation against PyTorch runs unless ``validate=False``.
+    int8 activations (a target speculates over it where rlxrt's CPU kernels run it), a portable graph's as dynamic
+    int8 (plain decoding or drafting only: docs/exactness.md). Validation against PyTorch runs unless
+    ``validate=False``.
     ``with_hidden_states`` adds the last hidden state as an output (for ``MtpHead``).
     ``graph`` is ``fused`` (rlxrt's own graph with fused attention and a KV buffer of ``max_context``
     positions; the default for llama, mistral, qwen2 and qwen3 in fp32, built without torch) or ``portable``

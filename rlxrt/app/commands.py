@@ -343,7 +343,8 @@ def add_commands(add, runtime_flags) -> None:
     p.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32", help="weights and cache type (fp16 for GPUs)")
     p.add_argument("--quantize", choices=["int8", "int4"],
                    help="int8: 8-bit blocks of 32 computed with int8 activations in a fused graph (made for "
-                        "drafts: a quarter of the bytes, the same proposals), dynamic int8 in a portable one; int4: "
+                        "drafts: a quarter of the bytes, the same proposals), dynamic int8 in a portable one (no "
+                        "speculation over it as a target: one activation scale for all rows); int4: "
                         "MatMulNBits blocks of 32 computed in fp32 (fused graphs; a GGUF's own Q4_0/Q4_1/Q8_0 "
                         "blocks are kept, not quantised again); exactness is then relative to the quantised graph")
     p.add_argument("--int4-compute", choices=["fp32", "int8"], default="fp32",
