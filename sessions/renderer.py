@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.resources
 import json
-import logging
 import queue
 import subprocess
 import sys
@@ -22,7 +21,6 @@ import weakref
 from rlxrt.errors import GenerationError, ModelFormatError
 from rlxrt.limits import TEMPLATE_MEMORY_BYTES
 
-log = logging.getLogger("rlxrt")
 MAX_PROCESSES = 8
 """Renders running at once for one template."""
 IDLE = 2
@@ -47,9 +45,10 @@ class _Process:
             self.replies.put(line)
         self.replies.put(None)
 
-    def ask(self, request: dict, seconds: float) -> dict:
+    def ask(self, request: bytes, seconds: float) -> dict:
+        """The reply to ``request`` (one JSON line); _Expired after ``seconds``."""
         try:
-            self.proc.stdin.write(json.dumps(request).encode("ascii") + b"\n")
+            self.proc.stdin.write(request)
             self.proc.stdin.flush()
         except OSError:
             return {"error": "the template's renderer process exited", "kind": "died"}
@@ -75,7 +74,7 @@ class Renderer:
     """Renders one template source in worker processes; thread-safe."""
 
     def __init__(self, template: str, special: dict[str, str], where: str, seconds: float):
-        self._load = {"template": template, "special": special}
+        self._load = _line({"template": template, "special": special})
         self._where, self._seconds = where, seconds
         self._source = importlib.resources.files("rlxrt.sessions").joinpath("template_worker.py").read_text()
         self._idle: list[_Process] = []
@@ -106,7 +105,7 @@ class Renderer:
                 return
         process.close()
 
-    def _ask(self, process: _Process, request: dict, deadline: float, loading: bool = False) -> dict:
+    def _ask(self, process: _Process, request: bytes, deadline: float, loading: bool = False) -> dict:
         try:
             return process.ask(request, deadline - time.monotonic())
         except _Expired:
@@ -122,16 +121,23 @@ class Renderer:
         """The text of ``messages`` (checked already); GenerationError when the template refuses them, runs
         past ``seconds`` (default: the renderer's budget) or past its limits."""
         deadline = time.monotonic() + (self._seconds if seconds is None else min(seconds, self._seconds))
+        try:
+            request = _line({"messages": messages, "add_generation_prompt": add_generation_prompt,
+                             "max_chars": max_chars})
+        except (TypeError, ValueError) as exc:
+            raise GenerationError(f"the messages hold a value that is not JSON ({exc}); send text") from None
         if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise GenerationError(f"the chat template's {MAX_PROCESSES} renderer processes stayed busy for the whole "
                                   "time budget; retry later")
         try:
             with self._lock:
                 process = self._idle.pop() if self._idle else None
-            if process is None or process.proc.poll() is not None:
+            if process is not None and process.proc.poll() is not None:  # it died while idle
+                process.close()
+                process = None
+            if process is None:
                 process = self._start(deadline)
-            reply = self._ask(process, {"messages": messages, "add_generation_prompt": add_generation_prompt,
-                                        "max_chars": max_chars}, deadline)
+            reply = self._ask(process, request, deadline)
         finally:
             self._slots.release()
         if "text" in reply:
@@ -149,6 +155,10 @@ class Renderer:
 
     def close(self) -> None:
         _close_all(self._idle)
+
+
+def _line(request: dict) -> bytes:
+    return json.dumps(request).encode("ascii") + b"\n"
 
 
 def _close_all(processes: list[_Process]) -> None:

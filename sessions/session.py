@@ -237,7 +237,10 @@ class Session:
         # with adaptive_k a request's own k caps its rounds; otherwise it is their length. A seeded request
         # never adapts: k follows the clock there, and its sample must not (docs/exactness.md, "Seeds")
         adaptive = self._k_choice is not None and seed is None
-        k = self._check_k(k) if k is not None else K_MAX if adaptive else min(self.k, self.k_max)
+        if k is not None:
+            k = self._check_k(k)
+        else:  # adaptive: a cap only; a seeded request under adaptive_k: where adaptive_k starts
+            k = K_MAX if adaptive else self.k if self._k_choice is None else min(self.k, self.k_max)
         ctx = Context(tokens=list(prompt_ids), params=params, rng=make_rng(seed))
         result = _Result(prompt_ids)
         return Stream(self._run(result, ctx, max_new, k, stops, stop_ids, adaptive), result, self._turns)

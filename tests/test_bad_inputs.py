@@ -6,7 +6,6 @@ reproduces its reference output exactly.
 """
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np

@@ -13,7 +13,7 @@ from rlxrt.backends import compile
 from rlxrt.errors import GenerationError, ModelFormatError
 from rlxrt.sampling import SamplingParams
 from rlxrt.speculator import AcceptDecision, Context, Prefill, VerifyResult
-from rlxrt.sessions import DraftModel, KVModel, MtpHead, Session, StateModel, decoder_for
+from rlxrt.sessions import DraftModel, MtpHead, Session, StateModel, decoder_for
 
 from conftest import link_or_copy
 from lossless import assert_first_two_tokens_follow, two_token_marginals
@@ -260,12 +260,12 @@ def test_bad_bindings_are_clear_errors(exported, head, tmp_path):
     with pytest.raises(ModelFormatError, match="not an MTP head"):
         MtpHead(exported("llama", seed=0), CFG)
     other = exported("llama", seed=3, with_hidden=True, hidden=32)
-    for wrong in (exported("mamba", seed=0), other):  # a head drafts for the target it was trained for
-        with pytest.raises(GenerationError, match="weights hash"):
-            Session(wrong, MtpHead(head, CFG), CFG)
+    with pytest.raises(GenerationError, match="has no hidden_states output.*--with-hidden-states"):
+        Session(exported("mamba", seed=0), MtpHead(head, CFG), CFG)  # what every head needs comes first
+    with pytest.raises(GenerationError, match="weights hash"):  # a head drafts for the target it was trained for
+        Session(other, MtpHead(head, CFG), CFG)
     # a head that records no target hash is still checked for what it reads
     import json
-    import os
 
     bare = tmp_path / "bare-head"
     bare.mkdir()
@@ -336,7 +336,7 @@ def test_cli_generate_with_a_head(exported, target, head, plain):
     r = cli("--speculator", "prompt-lookup", "--min-draft-prob", "0.3", "--prompt", PROMPT)
     assert r.returncode == 2 and "--min-draft-prob needs a draft model or head" in r.stderr
     r = cli("--head", str(head), "--min-draft-prob", "1.5", "--prompt", PROMPT)
-    assert r.returncode == 2 and "--min-draft-prob must be in [0, 1), got 1.5" in r.stderr
+    assert r.returncode == 1 and "--min-draft-prob must be in [0, 1), got 1.5" in r.stderr
     r = cli("--speculator", "mtp", "--prompt", PROMPT)  # no head shipped for this target
     assert r.returncode == 2 and "needs --head DIR" in r.stderr
     r = cli("--head", str(head), "--speculator", "prompt-lookup", "--prompt", PROMPT)

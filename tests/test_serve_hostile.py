@@ -4,7 +4,6 @@ beside normal requests, which still answer in their usual time; the server check
 logged as such; a template that requires a system message serves; a busy port is refused before "serving"."""
 from __future__ import annotations
 
-import json
 import logging
 import socket
 import threading
