@@ -6,6 +6,12 @@ place. A call sends only the new token ids and three small numbers (the last pos
 how many logits rows to return); a rollback is nothing but a shorter ``length`` in the next call. A graph
 with a greedy head (exporters/greedy_head.py) returns each row's argmax instead of its logits when asked
 (``forward_ids``), which greedy rounds use.
+
+Per-call inputs are host arrays. Where every node runs on the CPU, an OrtValue made from an array aliases it
+and a binding keeps the OrtValue, so writing the array in place is what the next call reads: they are bound
+once. Under any other provider a host input that a device node consumes is COPIED when it is bound (measured
+on CUDA: ../shared/FACTS.md), so writing the array afterwards would change nothing the graph sees; there
+every per-call input is bound again at every call, after it is written (``aliases_inputs``).
 """
 from __future__ import annotations
 
@@ -27,6 +33,12 @@ def _device(graph: CompiledGraph) -> tuple[str, int]:
         opts = graph.session.get_provider_options().get("CUDAExecutionProvider", {})
         return "cuda", int(opts.get("device_id", 0) or 0)
     return "cpu", 0
+
+
+def aliases_inputs(graph: CompiledGraph) -> bool:
+    """Whether an input bound once from a host array sees the array's later writes: only where every provider
+    the session runs on is the CPU (elsewhere IOBinding copies a host input to its device at bind time)."""
+    return bool(graph.providers) and all(p == "cpu" for p in graph.providers)
 
 
 class FusedKVModel(GraphModel):
@@ -61,13 +73,18 @@ class FusedKVModel(GraphModel):
                 self._binding.bind_ortvalue_input(past, buf)
                 self._binding.bind_ortvalue_output(present, buf)
                 self._buffers.append(buf)
-        # the per-call numbers live in arrays bound once and written in place; ids and logits of a round
-        # land in views of one preallocated buffer each, so a decode step allocates nothing
+        # the per-call numbers live in arrays written in place (bound once where inputs alias, else at every
+        # call); ids and logits of a round land in views of one preallocated buffer each, so a decode step
+        # allocates nothing
         self._seqlens, self._total, self._rows = np.zeros(1, np.int32), np.zeros((), np.int32), np.zeros(1, np.int64)
         for role, arr in (("seqlens_k", self._seqlens), ("total_sequence_length", self._total),
                           ("num_logits", self._rows)):
             self._buffers.append(ort.OrtValue.ortvalue_from_numpy(arr))
             self._binding.bind_ortvalue_input(m.inputs[role], self._buffers[-1])
+        self._per_call = [(m.inputs[role], value) for role, value in
+                          zip(("seqlens_k", "total_sequence_length", "num_logits"), self._buffers[-3:])]
+        """The per-call numbers' names and OrtValues (the greedy flag joins them below)."""
+        self._alias = aliases_inputs(graph)
         self._ids_name, self._logits = m.inputs["input_ids"], m.outputs["logits"]
         self._ids: dict[int, tuple[np.ndarray, object]] = {}
         self._out: dict[int, tuple[np.ndarray, object]] = {}
@@ -89,6 +106,7 @@ class FusedKVModel(GraphModel):
             self._no_ids = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, 0), np.int64))
             self._buffers.append(ort.OrtValue.ortvalue_from_numpy(self._greedy))
             self._binding.bind_ortvalue_input(m.inputs["greedy"], self._buffers[-1])
+            self._per_call.append((m.inputs["greedy"], self._buffers[-1]))
             if m.outputs.get("greedy_fallbacks"):  # rows the head's bound could not certify, per call
                 self._fallbacks = np.zeros((), np.int64)
                 self._buffers.append(ort.OrtValue.ortvalue_from_numpy(self._fallbacks))
@@ -159,6 +177,11 @@ class FusedKVModel(GraphModel):
             if hidden is not None:
                 b.bind_ortvalue_output(self._hidden_name, hidden_value)
             self._bound = (s, n, greedy)
+        elif not self._alias:  # the ids were written in place: bind them again (copied now, as written)
+            b.bind_ortvalue_input(self._ids_name, ids_value)
+        if not self._alias:
+            for name, value in self._per_call:
+                b.bind_ortvalue_input(name, value)
         self._timed(self._run_binding, b)
         if greedy:
             self.greedy_rows += n
