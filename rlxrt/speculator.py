@@ -29,6 +29,20 @@ class Context:
     rng: np.random.Generator
     """The request's generator; drafts draw from it so a seed reproduces a run."""
 
+    @property
+    def read(self) -> int:
+        """Positions the target has read: every committed token but the last, the *pending* token, which the
+        next verification feeds first. (The pending-token rule: ``sessions/round.py`` alone applies it.)"""
+        return len(self.tokens) - 1
+
+    def unread(self, length: int) -> list[int]:
+        """The committed tokens a model holding ``length`` positions has not read yet (the pending one too)."""
+        return self.tokens[length:]
+
+    def room(self, max_positions: int) -> int:
+        """Tokens a model of ``max_positions`` positions can still take after the committed ones."""
+        return max_positions - len(self.tokens)
+
 
 @dataclass
 class DraftProposal:

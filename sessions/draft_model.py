@@ -16,9 +16,9 @@ from rlxrt.backends import CompiledGraph, compile
 from rlxrt.config import Config
 from rlxrt.speculator import AcceptDecision, Context, DraftProposal, Prefill, VerifyResult
 
+from .decoder import Decoder
 from .drafting import ModelSpeculator, check_same_vocabulary
-from .kv import KVModel
-from .state import StateModel, decoder_for
+from .state import decoder_for
 
 
 class DraftModel(ModelSpeculator):
@@ -31,7 +31,7 @@ class DraftModel(ModelSpeculator):
         self.model = decoder_for(graph)
         self.set_min_prob(min_prob)
 
-    def bind(self, target: KVModel | StateModel) -> None:
+    def bind(self, target: Decoder) -> None:
         check_same_vocabulary(target, self.model)
 
     def reset(self) -> None:
@@ -39,17 +39,17 @@ class DraftModel(ModelSpeculator):
 
     def prefill(self, ctx: Context, record: Prefill) -> None:
         """Read the prompt (all but its last token, like the target) before the first round."""
-        if len(ctx.tokens) < self.model.max_positions:  # else propose drafts nothing anyway
-            self.model.forward(ctx.tokens[self.model.length:-1], rows=1)
+        if ctx.room(self.model.max_positions) > 0:  # else propose drafts nothing anyway
+            self.model.forward(ctx.tokens[self.model.length:ctx.read], rows=1)
 
     def propose(self, ctx: Context, k: int) -> DraftProposal:
         m = self.model
-        k = min(k, m.max_positions - len(ctx.tokens))
+        k = min(k, ctx.room(m.max_positions))
         if k <= 0:
             return DraftProposal(np.zeros(0, np.int64))
         if m.greedy_ids and ctx.params.greedy and not self.min_prob:  # argmax ids from the draft's greedy head
-            return self.chain_ids(m.forward_ids(ctx.tokens[m.length:], rows=1)[-1], k, lambda x: m.forward_ids((x,))[0])
-        return self.chain(m.forward(ctx.tokens[m.length:], rows=1)[-1], k, ctx, lambda x: m.forward((x,))[0])
+            return self.chain_ids(m.forward_ids(ctx.unread(m.length), rows=1)[-1], k, lambda x: m.forward_ids((x,))[0])
+        return self.chain(m.forward(ctx.unread(m.length), rows=1)[-1], k, ctx, lambda x: m.forward((x,))[0])
 
     def commit(self, ctx: Context, decision: AcceptDecision, verify: VerifyResult) -> None:
-        self.model.commit(len(ctx.tokens) - 1)
+        self.model.commit(ctx.read)

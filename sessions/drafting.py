@@ -8,12 +8,11 @@ from rlxrt.errors import GenerationError
 from rlxrt.sampling import probs, sample
 from rlxrt.speculator import Context, DraftProposal, Speculator
 
-from .kv import KVModel
-from .state import StateModel
+from .decoder import Decoder
 from .text import codec_for
 
 
-def check_same_vocabulary(target: KVModel | StateModel, draft: KVModel | StateModel) -> None:
+def check_same_vocabulary(target: Decoder, draft: Decoder) -> None:
     tv, dv = target.vocab_size, draft.vocab_size
     if tv != dv:
         raise GenerationError(
@@ -80,7 +79,7 @@ class ModelSpeculator(Speculator):
     ``min_prob`` (0 <= p < 1, default 0): a round's chain ends before a position after the first where the
     draft's likeliest token is below p, so that unlikely tokens cost no draft step nor verification row."""
 
-    model: KVModel | StateModel
+    model: Decoder
     min_prob: float = 0.0
     scratch: np.ndarray | None = None
     rows: np.ndarray | None = None

@@ -35,7 +35,8 @@ def draft_vocab_ids(graph: CompiledGraph) -> np.ndarray | None:
 
 
 class GraphModel:
-    """What the KV and the recurrent-state models share: the graph, its manifest, timed runs."""
+    """What the KV and the recurrent-state models share: the graph, its manifest, timed runs (each states the
+    ``decoder.Decoder`` protocol)."""
 
     greedy_ids = False
     """True when the graph has a greedy head: ``forward_ids`` returns each row's argmax without the logits."""
@@ -68,6 +69,9 @@ class GraphModel:
     @property
     def providers(self) -> list[str]:
         return self.graph.providers
+
+    def forward_ids(self, tokens, rows: int | None = None) -> np.ndarray:
+        raise NotImplementedError(f"{self.graph.path} has no greedy head (greedy_ids is False): call forward")
 
     def fetch_hidden(self) -> int:
         """Return the last hidden states with every forward (in ``hidden``); returns the hidden size."""

@@ -22,8 +22,8 @@ from rlxrt.config import Config
 from rlxrt.errors import GenerationError, ModelFormatError
 from rlxrt.speculator import AcceptDecision, Context, DraftProposal, Prefill, VerifyResult
 
+from .decoder import Decoder
 from .drafting import ModelSpeculator, check_same_vocabulary
-from .kv import KVModel
 from .state import StateModel
 
 
@@ -51,7 +51,7 @@ class MtpHead(ModelSpeculator):
         self.set_min_prob(min_prob)
         self.reset()
 
-    def bind(self, target: KVModel | StateModel) -> None:
+    def bind(self, target: Decoder) -> None:
         if not target.manifest.outputs.get("hidden_states"):  # before the weights: this is what any head needs
             raise GenerationError(f"the target {target.graph.path.parent} has no hidden_states output, and an MTP "
                                   "head drafts from the target's hidden states; re-export the target with `rlxrt "
@@ -92,24 +92,25 @@ class MtpHead(ModelSpeculator):
 
     def prefill(self, ctx: Context, record: Prefill) -> None:
         """Read the prompt's tokens but the pending one; keep the target's hidden state before it."""
-        h = record.hidden  # rows of prompt positions 0 .. n-2
-        n = len(ctx.tokens)
-        if h is None or len(h) != n - 1:
-            raise GenerationError(f"the MTP head needs the target's hidden states of the {n - 1} prompt positions "
+        h = record.hidden  # rows of the positions the target read: 0 .. read-1
+        read = ctx.read
+        if h is None or len(h) != read:
+            raise GenerationError(f"the MTP head needs the target's hidden states of the {read} prompt positions "
                                   f"before the pending token, got {None if h is None else len(h)} rows; bind the "
                                   "head to a Session whose target was exported with --with-hidden-states")
-        if n > 2:  # only the state (and the attention's cache) is kept
-            self.model.forward(ctx.tokens[1:n - 1], h[:n - 2, :self.width] if self.each else h[n - 3:n - 2, :self.width])
-        self.last = h[n - 2:n - 1, :self.width] if n > 1 else None
+        if read > 1:  # only the state (and the attention's cache) is kept; the head reads one position behind
+            self.model.forward(ctx.tokens[1:read], h[:read - 1, :self.width] if self.each else
+                               h[read - 2:read - 1, :self.width])
+        self.last = h[read - 1:read, :self.width] if read > 0 else None
 
     def propose(self, ctx: Context, k: int) -> DraftProposal:
         m = self.model
-        k = min(k, m.max_positions - len(ctx.tokens))
+        k = min(k, ctx.room(m.max_positions))
         if k <= 0 or self.last is None:  # a one-token prompt: no hidden state before the first round
             if self.each and self.last is not None:  # unread rows outlive the verify, which rewrites its buffer
                 self.last = self.last.copy()
             return DraftProposal(np.zeros(0, np.int64))
-        first = m.forward(ctx.tokens[m.length + 1:], self.last)[0]
+        first = m.forward(ctx.unread(m.length + 1), self.last)[0]  # the head's position i reads token i + 1
         return self.chain(first, k, ctx, lambda x: m.forward((x,), m.hidden)[0])  # chained on its own hidden
 
     def commit(self, ctx: Context, decision: AcceptDecision, verify: VerifyResult) -> None:
@@ -117,10 +118,10 @@ class MtpHead(ModelSpeculator):
             raise GenerationError("the target returned no hidden states; bind the head before generating")
         j = len(decision.tokens) - 1  # the verify row that produced the new pending token
         if not self.each:
-            self.model.commit(min(len(ctx.tokens) - 2, self.model.length))
+            self.model.commit(min(ctx.read - 1, self.model.length))
             self.last = verify.hidden[j:j + 1, :self.width]
             return
-        real = len(ctx.tokens) - len(decision.tokens) - 1  # positions read with the target's hidden states
+        real = ctx.read - len(decision.tokens)  # positions read with the target's hidden states
         rows = verify.hidden[:j + 1, :self.width]          # the target's, of the verified positions
         if self.model.length >= real:
             self.model.commit(real)

@@ -20,24 +20,23 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from rlxrt.acceptance import greedy_accept, speculative_accept
 from rlxrt.backends import CompiledGraph, compile
 from rlxrt.checks import as_bool, as_int
 from rlxrt.config import Config, check_config
 from rlxrt.errors import GenerationError, ModelFormatError
 from rlxrt.limits import K_MAX, MAX_NEW_TOKENS, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
-from rlxrt.sampling import SamplingParams, make_rng, probs
-from rlxrt.speculator import Context, DraftProposal, Prefill, Speculator, VerifyResult
+from rlxrt.sampling import SamplingParams, make_rng
+from rlxrt.speculator import Context, Speculator
 from rlxrt.stats import RequestStats
 from rlxrt.textstream import TextStream
 
 from .chat import NO_TEMPLATE, ChatTemplate, chat_template_for
 from .k_choice import KChoice
+from .round import Round
 from .state import decoder_for
 from .text import codec_for
 from .turns import Claim, Turns
 
-_NOTHING = DraftProposal(np.zeros(0, np.int64))
 HALF = ("float16", "bfloat16")
 log = logging.getLogger("rlxrt")
 
@@ -365,71 +364,35 @@ class Session:
                 stats.providers["draft"] = list(spec.providers)
             text = TextStream(self.codec.decoder(), stops) if self.codec is not None else None
             run0 = target.run_seconds + (spec.run_seconds if spec else 0.0)
-            target.reset()
-            if spec is not None:
-                spec.reset()
-            if prompt_len > 1:  # the prompt's logits are not needed
-                (target.forward_ids if target.greedy_ids else target.forward)(ctx.tokens[:-1], rows=1)
-                if spec is not None:
-                    spec.prefill(ctx, Prefill(hidden=target.hidden))
+            rounds = Round(ctx, target, spec)
+            rounds.prefill()
             t_decode = time.perf_counter()
             stats.prefill_seconds = t_decode - t_start
             run0 = target.run_seconds + (spec.run_seconds if spec else 0.0)  # decode only, like decode_seconds
-            greedy = ctx.params.greedy
-            ids_only = greedy and target.greedy_ids  # the graph's greedy head: argmax ids, no logits
             choice = self._k_choice if spec is not None and adaptive else None
             k_now = min(choice.k, k) if choice is not None else k
             if spec is not None and spec.drafters > 1 and self._k_choice is not None:
                 spec.set_ks(choice.ks if choice is not None else [k] * spec.drafters)
-            feed_buf = np.empty(K_MAX + 1, np.int64)  # the pending token and the drafts of a round
             while True:
                 generated = len(ctx.tokens) - prompt_len
                 budget = min(max_new - generated, self.manifest.max_positions - len(ctx.tokens))
                 if budget <= 0:
                     finish = "length"
                     break
-                k_eff = min(k_now, budget - 1) if spec is not None else 0
                 t0 = time.perf_counter()
-                proposal = spec.propose(ctx, k_eff) if k_eff > 0 else _NOTHING
-                t1 = time.perf_counter()
-                drafted = proposal.tokens
-                if len(drafted) > k_eff:  # more would overrun max_new_tokens and the context
-                    raise GenerationError(_overrun(spec, k_eff, len(drafted)))
-                feed = feed_buf[:len(drafted) + 1]
-                feed[0] = ctx.tokens[-1]
-                feed[1:] = drafted
-                if ids_only:  # greedy over a graph with a greedy head: the argmax ids, no logits
-                    top = target.forward_ids(feed)
-                    t2 = time.perf_counter()
-                    if top.min() < 0 and (top == -1).any():  # -1: not finite; -2: after a rejection, not read
-                        raise GenerationError(NAN)
-                    verify = VerifyResult(None, hidden=target.hidden)
-                    decision = greedy_accept(top, drafted)
-                else:
-                    logits = target.forward(feed)
-                    t2 = time.perf_counter()
-                    if greedy:
-                        verify = VerifyResult(logits, hidden=target.hidden)
-                        decision = greedy_accept(_argmax(logits), drafted)
-                    else:
-                        verify = VerifyResult(logits, probs(logits, ctx.params), target.hidden)
-                        decision = speculative_accept(verify.probs, proposal.probs, drafted, ctx.rng)
+                decision = rounds.run(min(k_now, budget - 1) if spec is not None else 0)
                 new = decision.tokens.tolist()
-                ctx.tokens.extend(new)
-                target.commit(len(ctx.tokens) - 1)
-                if spec is not None:
-                    spec.commit(ctx, decision, verify)
-                stats.record_round(len(drafted), decision.accepted, decision.bonus)
-                stats.draft_seconds += t1 - t0
-                stats.target_seconds += t2 - t1
+                stats.record_round(rounds.drafted, decision.accepted, decision.bonus)
+                stats.draft_seconds += rounds.draft_seconds
+                stats.target_seconds += rounds.target_seconds
                 if choice is not None:
-                    k_now = min(k, choice.observe(len(drafted), decision.accepted, time.perf_counter() - t0,
+                    k_now = min(k, choice.observe(rounds.drafted, decision.accepted, time.perf_counter() - t0,
                                                   spec.drafted_by))
                     if spec.drafters > 1:
                         spec.set_ks(choice.ks)
                 hit = None if stop_ids.isdisjoint(new) else next(i for i, t in enumerate(new) if t in stop_ids)
                 if hit is not None:
-                    del ctx.tokens[len(ctx.tokens) - len(new) + hit + 1:]
+                    rounds.cut(len(ctx.tokens) - len(new) + hit + 1)
                     new = new[:hit + 1]
                     finish, reason = "stop", new[-1]
                 said = False
@@ -437,8 +400,7 @@ class Session:
                     for n, t in enumerate(new):
                         piece = text.push(t)
                         if text.stop is not None:
-                            cut = len(ctx.tokens) - len(new) + n + 1 - (text.tokens - text.keep_tokens)
-                            del ctx.tokens[cut:]
+                            rounds.cut(len(ctx.tokens) - len(new) + n + 1 - (text.tokens - text.keep_tokens))
                             finish, reason = "stop", text.stop
                         if piece:
                             said = True
@@ -482,28 +444,3 @@ class Session:
                 if claim.seq > self._last_seq:
                     self._last_seq = claim.seq
                     self.last = result.generation
-
-
-_ROWS = np.arange(K_MAX + 1)
-
-
-def _overrun(spec: Speculator, k: int, got: int) -> str:
-    return (f"the speculator {type(spec).__name__} proposed {got} tokens when asked for at most {k}; "
-            "Speculator.propose(ctx, k) must return at most k tokens (fix the speculator)")
-
-
-def _argmax(logits: np.ndarray) -> np.ndarray:
-    """Row argmax [n]; a NaN row (a broken model) is an error, never a silent token. NumPy's argmax lands
-    on a row's first NaN, so only the n picked values need a look."""
-    top = logits.argmax(-1)
-    if len(top) == 1:
-        picked = logits[0, top[0]]
-        bad = picked != picked  # NaN
-    else:
-        bad = np.isnan(logits[_ROWS[:len(top)], top]).any()
-    if bad:
-        raise GenerationError(NAN)
-    return top
-
-
-NAN = "the model produced NaN logits; check the export (e.g. fp16 overflow) or use the fp32 variant"

@@ -111,7 +111,7 @@ def test_sampled_speculation_with_a_draft_vocab_is_lossless(exported, reduced, m
     assert_first_two_tokens_follow(s, prompt, p1, p2, draws=3000)
     assert s.stats.accepted > 0
 
-    monkeypatch.setattr("rlxrt.sessions.session.speculative_accept", accept_ignoring_q)
+    monkeypatch.setattr("rlxrt.sessions.round.speculative_accept", accept_ignoring_q)
     broken = Session(target, DraftModel(reduced["other"], CFG), CFG, k=2)
     with pytest.raises(AssertionError):
         assert_first_two_tokens_follow(broken, prompt, p1, p2, draws=3000)

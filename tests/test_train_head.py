@@ -120,7 +120,7 @@ def test_reduced_vocabulary_head_sampled_is_lossless(llama, reduced_head, monkey
     assert_first_two_tokens_follow(s, prompt, p1, p2, draws=4000)
     assert s.stats.accepted > 0
 
-    monkeypatch.setattr("rlxrt.sessions.session.speculative_accept", accept_ignoring_q)
+    monkeypatch.setattr("rlxrt.sessions.round.speculative_accept", accept_ignoring_q)
     broken = Session(llama, MtpHead(out, CFG), CFG, k=2)
     with pytest.raises(AssertionError):
         assert_first_two_tokens_follow(broken, prompt, p1, p2, draws=4000)
