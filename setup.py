@@ -1,12 +1,13 @@
-"""The one compiled part of rlxrt: the CPU MatMul kernel that ONNX Runtime loads as a custom-op library
-(backends/stream_matmul.c). It is optional: without a C compiler the install goes on and sessions use ONNX
-Runtime's own MatMul (``rlxrt compile`` says which)."""
+"""The one compiled part of rlxrt: the CPU kernels that ONNX Runtime loads as a custom-op library
+(backends/stream_matmul.c and the headers it includes). They need GCC or Clang (vector extensions): on Windows,
+or without a C compiler, the install goes on without them and sessions use ONNX Runtime's kernels (``rlxrt
+compile`` says which)."""
 import sys
 
 from setuptools import Extension, setup
 
-flags = [] if sys.platform == "win32" else ["-O3", "-ffp-contract=fast", "-Wno-psabi", "-fvisibility=hidden"]
-setup(ext_modules=[Extension("rlxrt.backends._stream_matmul", ["backends/stream_matmul.c"],
-                             depends=["backends/stream_kernels.h", "backends/stream_int8.h"],
-                             libraries=[] if sys.platform == "win32" else ["m"], extra_compile_args=flags,
-                             optional=True)])
+HEADERS = ["backends/stream_kernels.h", "backends/stream_int8.h", "backends/stream_attention.h"]
+kernels = Extension("rlxrt.backends._stream_matmul", ["backends/stream_matmul.c"], depends=HEADERS,
+                    libraries=["m"], extra_compile_args=["-O3", "-ffp-contract=fast", "-Wno-psabi",
+                                                         "-fvisibility=hidden"], optional=True)
+setup(ext_modules=[] if sys.platform == "win32" else [kernels])

@@ -54,6 +54,7 @@ def test_the_installed_package_is_the_one_used(installed, tmp_path):
     assert module.startswith(str(installed)) and assets.startswith(str(installed))
     assert (Path(assets) / "target" / "model.onnx").is_file() and (Path(assets) / "mtp" / "rlxrt.json").is_file()
     assert weights == "None"  # the Hugging Face weights of the recipe are not part of the wheel
+    assert not list((installed / "rlxrt").rglob("*.jsonl")), "a log is in the wheel"
 
 
 def test_demo_runs_from_another_directory(installed, tmp_path):
