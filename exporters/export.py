@@ -287,6 +287,16 @@ def assemble_manifest(config: dict, task: str, layout: dict, src, src_dir: Path,
         versions=versions(), validation={"skipped": True})
 
 
+def _user_modes(directory: Path) -> None:
+    """Give every file the export wrote the mode the user's umask gives a new file (onnx writes external data
+    as 0600, so the weights of a model exported for others would be readable by its maker alone)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in directory.iterdir():
+        if f.is_file() and not f.is_symlink():
+            f.chmod(0o666 & ~mask)
+
+
 def _check_validation(record: dict) -> None:
     if not record["passed"]:
         worst = max((k for k in record if k.startswith("max_abs_diff")), key=lambda k: record[k])
@@ -299,6 +309,7 @@ def _check_validation(record: dict) -> None:
 
 def _write(manifest: Manifest, final: Path, out: Path, force: bool) -> None:
     manifest.write(final)
+    _user_modes(final)
     backup = None
     if out.exists():
         if not force and any(out.iterdir()):  # someone wrote it meanwhile

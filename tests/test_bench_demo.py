@@ -101,13 +101,27 @@ def test_bench_chat_sends_user_turns_and_stops_at_end_of_turn(exported, tmp_path
                   chat=True)
 
 
-def test_smollm2_demo_says_how_to_build_it(tmp_path, monkeypatch, capsys):
+def test_smollm2_demo_builds_only_its_missing_target(tmp_path, monkeypatch, capsys):
+    """Without SmolLM2's export the demo builds it, saying what and how long, and uses the committed head (the
+    build itself is stopped here: it downloads from PyPI; tests/test_real_model.py builds it for real)."""
+    from rlxrt.app import smollm2
     from rlxrt.app.cli import main
+    from rlxrt.errors import RlxrtError
 
+    asked = []
+
+    def export(work, name, *flags):
+        asked.append((work, name, flags))
+        raise RlxrtError("stopped by the test")
+
+    monkeypatch.setattr(smollm2, "_export", export)
     monkeypatch.setenv("RLXRT_SMOLLM2_DIR", str(tmp_path / "nothing-here"))
-    assert main(["demo", "--model", "smollm2"]) == 2
+    assert main(["demo", "--model", "smollm2"]) == 1
     err = capsys.readouterr().err
-    assert "not built" in err and "python -m rlxrt.app.recipe --smollm2" in err
+    assert asked == [(tmp_path / "nothing-here", "target", ("--with-hidden-states",))]  # not the head's recipe
+    assert "building SmolLM2-135M-Instruct" in err and "about 2 minutes" in err and "stopped by the test" in err
+    assert main(["demo", "--model", "smollm2", "--target", str(tmp_path)]) == 2
+    assert "holds no export" in capsys.readouterr().err
     assert main(["demo", "--model", "smollm2", "--draft", "x"]) == 2
     assert "drop --draft" in capsys.readouterr().err
     assert main(["demo", "--model", "smollm2", "--speculator", "lookup+draft"]) == 2
@@ -144,7 +158,10 @@ def test_smollm2_recipe_keeps_the_bench_prompts_out_of_the_self_written_requests
     monkeypatch.setattr(smollm2, "_export", export)
     monkeypatch.setattr(smollm2, "_run", lambda cmd: calls.append(cmd[3:]))
     (tmp_path / "corpus.json").write_text("[]")
-    smollm2.build(tmp_path)
+    smollm2.build(tmp_path / "demo-only")  # a head is committed: the target alone is built
+    assert calls == [["export", "target", "--with-hidden-states"]]
+    calls.clear()
+    smollm2.build(tmp_path, train_head=True)
     assert calls[:2] == [["export", "target", "--with-hidden-states"],
                          ["export", "text", "--quantize", "int4", "--int4-compute", "int8"]]
     distills, train = calls[2:-1], calls[-1]

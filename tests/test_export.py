@@ -145,6 +145,20 @@ def test_existing_out_needs_force(exported, tmp_path):
     assert Manifest.load(out).model_type == "llama" and not (out / "keep.txt").exists()
 
 
+@pytest.mark.parametrize("graph", ["fused", "portable"])
+def test_exported_files_keep_the_users_umask(exported, tmp_path, graph):
+    """onnx writes external data as 0600: the export gives every file the mode a new file of the user gets."""
+    import os
+
+    old = os.umask(0o022)
+    try:
+        out = rlxrt.export(exported.source("llama"), tmp_path / graph, graph=graph, force=True).path
+    finally:
+        os.umask(old)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
+    assert set(modes.values()) == {0o644}, modes
+
+
 def test_unreadable_weights(exported, tmp_path):
     import shutil
 

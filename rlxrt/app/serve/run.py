@@ -62,9 +62,9 @@ def serve_ray(opts: ServeOptions, host: str, port: int, replicas: int, address: 
              **({} if address else {"num_cpus": max(replicas, 1)}))
     _start_proxy(serve, host, port)
     serve.run(deployment(opts, replicas), name="rlxrt", route_prefix="/", blocking=False)
-    states = serve.status().applications["rlxrt"].deployments["rlxrt"].replica_states
-    running = states.get("RUNNING", 0)
-    print(f"rlxrt: Ray Serve is serving {opts.name!r} on http://{host}:{port}/v1 ({running} replica(s) running x "
+    running = _running(serve, replicas)
+    ready = "serving" if running == replicas else f"serving with {running} of {replicas} replicas ready so far"
+    print(f"rlxrt: {ready} {opts.name!r} on http://{host}:{port}/v1 with Ray Serve ({running} replica(s) running x "
           f"{opts.workers} worker(s))", file=sys.stderr, flush=True)
     try:
         import signal
@@ -79,6 +79,23 @@ def serve_ray(opts: ServeOptions, host: str, port: int, replicas: int, address: 
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+READY_SECONDS = 120.0
+"""How long ``serve --ray`` waits for every replica to run before it says it serves (with the count)."""
+
+
+def _running(serve, replicas: int) -> int:
+    """Replicas of the deployment that run, once all of them do or after ``READY_SECONDS``."""
+    import time
+
+    deadline = time.monotonic() + READY_SECONDS
+    while True:
+        states = serve.status().applications["rlxrt"].deployments["rlxrt"].replica_states
+        running = states.get("RUNNING", 0)
+        if running >= replicas or time.monotonic() > deadline:
+            return running
+        time.sleep(0.5)
 
 
 PROXY_TRIES = 3
