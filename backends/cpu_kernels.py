@@ -2,8 +2,7 @@
 all rows, and every row computed the same whatever the other rows of the call.
 
 A decoder step on CPU is bound by reading its weights. ONNX Runtime's MatMul (MLAS) reads them more slowly
-the more rows it multiplies them with: a (k+1)-row verification costs up to 1.5x a one-row step where the
-weights come from memory; and its MatMuls and GroupQueryAttention take other paths for several rows, so a
+the more rows it multiplies them with (docs/kernels.md has the figures); and its MatMuls and GroupQueryAttention take other paths for several rows, so a
 verification's rows differ from one-row steps by ~1e-6 (by up to 0.5 with int8 activations). The library
 (``stream_matmul.c`` with ``stream_kernels.h``, ``stream_int8.h``, ``stream_attention.h``; built at install)
 holds ``StreamMatMul`` (float32 panels [ceil(N/32), K, 32]), ``StreamMatMulQ4`` (int4 blocks, float32
@@ -80,8 +79,8 @@ def int8_isa() -> str | None:
 
 WINS_ON = ("avx512",)
 """Where ``auto`` uses the kernel: the variants measured faster than ONNX Runtime's MatMul on whole decoder
-steps (README, "rlxrt's CPU kernels"). The avx2 and generic variants are exact and tested, but were only
-measured on a CPU where ONNX Runtime itself runs AVX-512 (0.85x and 0.64x of it), so ``auto`` leaves them off."""
+steps (docs/kernels.md). The avx2 and generic variants are exact and tested, but were only measured on a CPU
+where ONNX Runtime itself runs AVX-512, where they were slower, so ``auto`` leaves them off."""
 INT8_WINS_ON = ("avx512vnni",)
 """The same for the int8-activation kernel (MatMulNBits at accuracy level 4)."""
 

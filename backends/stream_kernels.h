@@ -17,9 +17,8 @@
 #define CHUNK 12 /* the most rows of any variant */
 #define WIDE 4 /* strips of 2V columns a lone row takes at once */
 #define WIDE_MIN_K 256
-/* ... where K is at least this: a lone row over 4 strips at once took 0.94-0.97x the time of one strip at a
- * time for K >= 256 (AVX-512, Zen 4, one thread: 256 x 384 .. 256 x 4096, 688 x 256) and 1.03-1.04x for
- * K = 128 (the shipped draft's 128 x 4096 output layer), measured side by side in one process */
+/* ... where K is at least this: a lone row over 4 strips at once took less time than one strip at a
+ * time for K >= 256 and slower for K = 128 (docs/kernels.md) */
 #define AI static inline __attribute__((always_inline))
 
 #define VARIANT(NAME, V, TARGET, ROWS)                                                                       \

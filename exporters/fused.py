@@ -76,9 +76,9 @@ INT4_INT8 = {**INT4, "accuracy_level": 4, "activations": "int8, per row and bloc
              "rows_alike": "on rlxrt's CPU kernels only (cpu_kernels = rlxrt, or auto where they run AVX-512 VNNI)",
              "exactness": "speculative output equals plain output of THIS graph where rlxrt's CPU kernels run it; "
                           "on ONNX Runtime's kernels a Session refuses a speculator on it"}
-"""``--int4-compute int8``: the same weights computed at accuracy level 4 (int8 activations), 1.45x faster
-plain decoding on SmolLM2 (3.2x fp32 here). ONNX Runtime computes k+1 rows and one row differently at this
-level (logits apart by up to 0.5; greedy outputs part within ten tokens, measured), so speculation over it
+"""``--int4-compute int8``: the same weights computed at accuracy level 4 (int8 activations), faster plain
+decoding (docs/models.md). ONNX Runtime computes k+1 rows and one row differently at this level (logits up to
+0.5 apart), so speculation over it
 there would not be exact and a Session refuses it (``backends/rows.py``); rlxrt's CPU kernels compute a row
 the same alone or in a verification, and speculate over it exactly. Any such graph may draft for another
 target (a draft's numbers do not touch exactness)."""

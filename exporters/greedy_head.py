@@ -1,7 +1,6 @@
 """The greedy head of a fused fp32 graph: the argmax of the logits without computing all of them.
 
-The LM head is the largest single read of a small model's step (SmolLM2-135M: 113 MB of 540 MB, 3 ms of a
-17 ms step), and greedy decoding needs only its argmax. With input ``greedy`` true the graph finds that
+The LM head is the largest single read of a small model's step, and greedy decoding needs only its argmax. With input ``greedy`` true the graph finds that
 argmax in two stages and returns it as ``next_ids``, exactly:
 
     1. approximate logits with int8 weights (one int8 copy of the output embedding, a quarter of the bytes):
@@ -43,10 +42,7 @@ wrong token (a rejected draft's row) 16 %, 25 %, 37 %, which is why rows after a
 answered (``next_tokens``)."""
 MIN_SIZE = 1 << 22
 """Default on from this vocab x hidden (an fp32 LM head of 16 MiB) up, where the gain is clear: below it the
-head's ~35 small nodes cost about what the Gemm they spare does. Per greedy token, 1 thread, same weights
-with and without it, interleaved: SmolLM2-135M (49,152 x 576) 0.85-0.90x; the shipped target (4,096 x 256)
-0.92x, 1.01x, 0.93x in three runs, a 5-row verification unchanged; the shipped 1-layer draft (4,096 x 128)
-1.34x."""
+head's ~35 small nodes cost about what the Gemm they spare does (measured: docs/models.md, "The greedy head")."""
 SLACK_PER_K = 2.0 ** -22
 """Rounding slack, times K * |h|_1 * max_i |E_vi| (K = hidden size): four times the worst-case fp32 rounding
 (K * 2^-24 of sum_i |h_i E_vi|) of a dot product of length K, which covers the full Gemm's and the candidate

@@ -8,7 +8,7 @@ from __future__ import annotations
 MAX_THREADS = 256
 """intra_op_threads / inter_op_threads (ORT creates one OS thread per unit)."""
 K_MAX = 32
-"""Tokens drafted per round (a verify pass of k+1 rows costs ~1.6x a step already at k = 8)."""
+"""Tokens drafted per round (a verification's cost grows with its rows long before k reaches this)."""
 MAX_NEW_TOKENS = 1 << 20
 """max_new_tokens of one request (the model's max positions usually end it much earlier)."""
 MAX_STOP_STRINGS = 16

@@ -4,7 +4,7 @@
 
 Each repeat decodes the same chat prompts (SmolLM2's bench prompts) on every export in turn, 1 thread;
 the ratios are medians over the repeats of tokens a second, each against the first export's. Used for the
-int4 exports of a GGUF in the README (float32, the file's blocks, re-quantised).
+int4 exports of a GGUF in docs/models.md (float32, the file's blocks, re-quantised).
 """
 from __future__ import annotations
 

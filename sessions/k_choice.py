@@ -2,7 +2,7 @@
 
 The best k is a property of the machine as much as of the speculator: a round that drafts k tokens costs the
 drafting plus a verification of k + 1 rows, and how fast that grows with k differs from one CPU to the next
-(SmolLM2's T(5)/T(1) is 1.15 on one 2-core VM and 1.54 on another), while the tokens a round earns depend on
+(docs/python-api.md has figures), while the tokens a round earns depend on
 how often each drafted position is accepted. After each round this picks the k in 1..k_max with the most
 expected tokens per second:
 

@@ -1,4 +1,4 @@
-"""The dependency direction of DESIGN.md: core <- backends <- sessions; exporters see only the core; the
+"""The dependency direction of docs/design.md: core <- backends <- sessions; exporters see only the core; the
 application layer (rlxrt.app) sits on top. Checked twice: each core module imported alone in a fresh
 interpreter, and every import statement (lazy ones included) read from the source."""
 import ast

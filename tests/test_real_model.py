@@ -223,7 +223,7 @@ def test_int4_from_the_gguf_keeps_its_blocks(smollm2):
     """`rlxrt export SmolLM2…Q4_1.gguf OUT --quantize int4` keeps the file's 210 Q4_1 projections (its Q8_0
     embedding stays float32 at accuracy level 0): validated to float32 tolerance against the dequantised
     model, and greedy equals the float32 graph's on the three prompts (re-quantised int4 graphs parted from it
-    within 0-8 tokens of chat replies, README)."""
+    within 0-8 tokens of chat replies, docs/models.md)."""
     from rlxrt.exporters.validate import TOLERANCE
 
     out = gguf_export("gguf-int4-2048", "--quantize", "int4")

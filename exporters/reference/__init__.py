@@ -7,5 +7,5 @@ trained on the Python standard library that ships with the interpreter.
     python -m rlxrt.app.recipe WORK                                    # export + install into rlxrt/assets
     python -m rlxrt.app.recipe WORK --mtp                              # train-head: the target's MTP head
 
-See README "The reference pair" for seeds, sizes and timings.
+See docs/reference-pair.md for seeds, sizes and timings.
 """

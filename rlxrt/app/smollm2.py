@@ -25,17 +25,14 @@ from pathlib import Path
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TRAIN = ["--steps", "3000", "--draft-vocab", "8192", "--max-tokens", "1600000", "--quantize", "int8",
          "--attention-heads", "9", "--threads", "2"]
-"""The head's training flags: the dialogues come first in the corpus (1.4M training tokens), so all of them are
-used, and the standard library's sources fill the rest of the budget (about 2 hours 15 minutes on 2 cores: 55
-minutes for the teacher's pass, 80 of training at ~1,290 tok/s); a causal self-attention layer of 9 heads over
-the earlier positions (see README: it drafts more than the head without one at 1.5 times its step); an int8
-graph (it drafts as well as float32)."""
+"""The head's training flags: the dialogues come first in the corpus, so all of them are used, and the standard
+library's sources fill the rest of the budget; a causal self-attention layer of 9 heads over the earlier
+positions (it drafts more than the head without one, at a dearer step); an int8 graph (it drafts as well as
+float32). The runs and their figures: docs/heads.md."""
 REPLY = ["--max-new-tokens", "160", "--temperatures", "0,0.7", "--threads", "1"]
 """How the target replies when writing the corpus: on the int4 export that keeps the GGUF's blocks, computed
-with int8 activations (~110-135 tok/s a process; its greedy chat replies equal the float32 graph's on 5 of 8
-bench prompts and part after 22-44 tokens on the others, where a re-quantised int4 graph parted within 0-8),
-one thread a process, two processes at once. The replies only give the text: the teacher is the float32
-graph."""
+with int8 activations (the fastest graph that stays close to the float32 one: docs/models.md), one thread a
+process, two processes at once. The replies only give the text: the teacher is the float32 graph."""
 EARLIER = ["--exclude", "bench-prompts.json", "distill-prompts.json", "self-a-prompts.json", "self-b-prompts.json",
            "self-c-prompts.json", "self-d-prompts.json"]
 PHASES = [[[["--prompts", "distill-prompts.json", "--out", "distill.json"],
@@ -57,11 +54,10 @@ PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
            "What is the capital of France, and why is it famous?"]
 """Demo prompts, none from the training corpus: two code requests and two prose ones."""
 SPECULATOR = "lookup+mtp"
-"""The demo's speculator: prompt lookup where the reply repeats itself, the head elsewhere (see README)."""
+"""The demo's speculator: prompt lookup where the reply repeats itself, the head elsewhere (docs/heads.md)."""
 DEMO_K = 4
-"""The demo's draft length. On rlxrt's CPU kernels a 5-row verification costs 1.03 one-row steps, and the
-16-request chat bench gave lookup+mtp 1.86x, 1.88x, 1.90x at k=4 against 1.78x, 1.81x, 1.81x at k=2 in three
-runs (results/cpu-kernels/smollm2-chat-head*new-kernels*.json); on ONNX Runtime's kernels k=2 had won."""
+"""The demo's draft length: on rlxrt's CPU kernels a 5-row verification costs about a one-row step, and k=4
+beat k=2 in every chat-bench run (docs/heads.md); on ONNX Runtime's kernels k=2 had won."""
 BENCH_PROMPTS = PROMPTS + ["Write a Python function that checks whether a string is a palindrome.",
                            "Give three tips for staying focused while studying.",
                            "Write a Python function that counts the words in a text file.",

@@ -26,10 +26,8 @@ from .distill import read_prompts
 from .teacher import WINDOW
 
 DEFAULT_DRAFT_VOCAB = 4096
-"""The default draft vocabulary is min(4096, V / 2). Measured with the same training (1,500 steps), greedy
-k=4: on the shipped target (V = 4096), N = 1024 / 2048 / 4096 ran 1.33x / 1.35x / 1.07x plain (the whole
-vocabulary's output layer costs the most and learns the least). SmolLM2 (V = 49,152) ran 1.35x with
-N = 4096, which fits its 15 MB head budget."""
+"""The default draft vocabulary is min(4096, V / 2): the whole vocabulary's output layer costs a head the most
+and teaches it the least (the sweep: docs/heads.md)."""
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".json", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ".html")
 
 
@@ -57,7 +55,7 @@ def add_train_head(add, runtime_flags) -> None:
     p.add_argument("--heldout", type=float, default=0.1, help="share of the documents held out (by file)")
     p.add_argument("--quantize", choices=("int8", "int4", "none"), default="int8",
                    help="the head's graph: int8 projections computed with int8 activations and an int8 input "
-                        "embedding (default: drafts as float32 does at an int4 graph's cost, see README), int4 "
+                        "embedding (default: drafts as float32 does at an int4 graph's cost, docs/heads.md), int4 "
                         "projections, or none (float32)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/.train/checkpoint.pt (at the last "
                                                         "step: only export again, e.g. with another --quantize)")

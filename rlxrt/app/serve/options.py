@@ -13,8 +13,8 @@ from ..speculators import KINDS as SPECULATORS
 from ..speculators import model_of
 SERVE_MODEL_K = 2
 """Draft length of a served draft model or head when -k is not given. Under load every rejected drafted token
-costs worker time another request could use: on the shipped pair (2 workers, 2 cores, 1-8 clients) k=2 gave
-1.28-1.35x plain serving and k=4 1.22-1.27x in one interleaved run (exporters/reference/results/serve)."""
+costs worker time another request could use, so a server drafts less than one stream alone would (measured:
+docs/performance.md, "Serving throughput")."""
 
 
 @dataclass(frozen=True)
