@@ -19,8 +19,9 @@ def installed(tmp_path_factory) -> Path:
     target = tmp_path_factory.mktemp("site")
     # built from a copy: setuptools' build/ folder would otherwise keep files deleted from the checkout
     src = tmp_path_factory.mktemp("src") / "rlxrt"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", ".ci-venv", "build", "*.egg-info",
-                                                              "__pycache__", ".pytest_cache", "bench-out", "*.so"))
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", ".ci-venv", ".ci-sdist", ".test-cache",
+                                                              "build", "*.egg-info", "__pycache__", ".pytest_cache",
+                                                              "bench-out", "*.so"))
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(src)]
     try:
         import setuptools
