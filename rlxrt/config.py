@@ -28,7 +28,7 @@ import numpy as np
 
 from .errors import ConfigError
 from .files import read_text
-from .limits import MAX_THREADS
+from .limits import K_MAX, MAX_THREADS
 from .providers import NAMES as PROVIDER_NAMES
 
 if sys.version_info >= (3, 11):
@@ -75,6 +75,13 @@ class Config:
     """Whose kernels run MatMuls (float32, int4, int8 activations) and attention on CPU: ``rlxrt`` (rlxrt's own,
     which read each weight once per call for all rows and compute a row the same alone or in a verification),
     ``ort`` (ONNX Runtime's), or ``auto`` (rlxrt's where the variant that runs was measured faster)."""
+    fixed_rows: int | None = None
+    """Rows of every decoding call of a target: its pending token, the drafts, then padding. Plain steps and
+    verifications then run the same kernels, so a position's logits do not depend on how many tokens its call
+    verified, on kernels that compute several rows otherwise than one (ONNX Runtime's on GPUs, in half
+    precision). 0: off, each call feeds what it needs; None (``auto``): 9 where the target runs on anything but
+    the CPU, else off. It caps k at fixed_rows - 1 and costs plain decoding T(fixed_rows)/T(1)
+    (docs/exactness.md)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -235,6 +242,14 @@ def _coerce(key: str, value: Any, source: str) -> Any:
             raise ConfigError(f"config key 'cpu_kernels' (from {source}) must be one of {', '.join(CPU_KERNELS)}, "
                               f"got {value!r}")
         return norm
+    if key == "fixed_rows":
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "auto")):
+            return None
+        rows = _int(key, value, source, 0, K_MAX + 1)
+        if rows == 1:
+            raise ConfigError(f"config key 'fixed_rows' (from {source}) must be 0 (off), auto or 2..{K_MAX + 1}: "
+                              "one row leaves no room for a draft; got 1")
+        return rows
     if key == "cache_dir":
         if not isinstance(value, (str, os.PathLike)) or not str(value):
             raise ConfigError(f"config key 'cache_dir' (from {source}) must be a directory path, got {value!r}")

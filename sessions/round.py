@@ -10,7 +10,9 @@ positions, whatever it was fed: a rollback is that length.
 
 A verifier is chosen once per request (``verifier_for``) and returns the decision: ``greedy_ids`` (a graph
 with a greedy head returns each row's argmax, no logits), ``greedy_logits`` (argmax of the logits), ``sampled``
-(the acceptance rule over the transformed distributions). A tree verifier would be one more, over a
+(the acceptance rule over the transformed distributions). With fixed rows (``Config.fixed_rows``) every call
+feeds the same number of rows, padded after the drafts, and a verifier reads only the rows up to the last draft:
+plain steps and verifications then run the same kernels (docs/exactness.md, "Fixed rows"). A tree verifier would be one more, over a
 tree-shaped proposal; a batched step runs the same round over several sequences (docs/design.md).
 """
 from __future__ import annotations
@@ -39,19 +41,19 @@ decision on ``proposal.tokens``."""
 
 def greedy_ids(target: Decoder, feed: np.ndarray, proposal: DraftProposal, ctx: Context):
     """Greedy over a graph with a greedy head: the argmax ids, no logits."""
-    top = target.forward_ids(feed)
+    top = target.forward_ids(feed)[:len(proposal.tokens) + 1]  # padding rows, if any, are not read
     if top.min() < 0 and (top == -1).any():  # -1: not finite; -2: after a rejection, not read
         raise GenerationError(NAN)
     return greedy_accept(top, proposal.tokens), VerifyResult(None, hidden=target.hidden)
 
 
 def greedy_logits(target: Decoder, feed: np.ndarray, proposal: DraftProposal, ctx: Context):
-    logits = target.forward(feed)
+    logits = target.forward(feed)[:len(proposal.tokens) + 1]
     return greedy_accept(_argmax(logits), proposal.tokens), VerifyResult(logits, hidden=target.hidden)
 
 
 def sampled(target: Decoder, feed: np.ndarray, proposal: DraftProposal, ctx: Context):
-    logits = target.forward(feed)
+    logits = target.forward(feed)[:len(proposal.tokens) + 1]
     verify = VerifyResult(logits, probs(logits, ctx.params), target.hidden)
     return speculative_accept(verify.probs, proposal.probs, proposal.tokens, ctx.rng), verify
 
@@ -73,8 +75,9 @@ class Round:
     target_seconds = 0.0
     """The last round's time in ``propose``, and in the target's pass with the decision."""
 
-    def __init__(self, ctx: Context, target: Decoder, speculator: Speculator | None):
-        self.ctx, self.target, self.spec = ctx, target, speculator
+    def __init__(self, ctx: Context, target: Decoder, speculator: Speculator | None, rows: int = 0):
+        """``rows``: the fixed rows of every call (0: each call feeds the pending token and the drafts)."""
+        self.ctx, self.target, self.spec, self.rows = ctx, target, speculator, rows
         self.verify = verifier_for(ctx, target)
         self._feed = np.empty(K_MAX + 1, np.int64)  # the pending token and the drafts of a round
 
@@ -100,9 +103,10 @@ class Round:
         drafted = proposal.tokens
         if len(drafted) > k:  # more would overrun max_new_tokens and the context
             raise GenerationError(_overrun(spec, k, len(drafted)))
-        feed = self._feed[:len(drafted) + 1]
+        feed = self._feed[:max(len(drafted) + 1, self.rows)]
         feed[0] = ctx.tokens[-1]
-        feed[1:] = drafted
+        feed[1:len(drafted) + 1] = drafted
+        feed[len(drafted) + 1:] = feed[0]  # padding: written past the committed length, never read
         decision, verify = self.verify(self.target, feed, proposal, ctx)
         t2 = time.perf_counter()
         ctx.tokens.extend(decision.tokens.tolist())
@@ -115,6 +119,19 @@ class Round:
     def cut(self, length: int) -> None:
         """End the sequence at ``length`` tokens (a stop token or string was reached; no round follows)."""
         del self.ctx.tokens[length:]
+
+
+AUTO_ROWS = 9
+"""``fixed_rows = auto`` off the CPU: room for k up to 8 (adaptive k's default ceiling at k = 4)."""
+
+
+def fixed_rows(graph) -> int:
+    """The rows every decoding call of ``graph`` feeds (0: as many as it needs): ``Config.fixed_rows``, where
+    ``auto`` (None) means ``AUTO_ROWS`` for a target that runs on anything but the CPU."""
+    rows = graph.config.fixed_rows
+    if rows is None:
+        return AUTO_ROWS if graph.providers and graph.providers[0] != "cpu" else 0
+    return rows
 
 
 def _overrun(spec: Speculator, k: int, got: int) -> str:

@@ -32,7 +32,7 @@ from rlxrt.textstream import TextStream
 
 from .chat import NO_TEMPLATE, ChatTemplate, chat_template_for
 from .k_choice import KChoice
-from .round import Round
+from .round import Round, fixed_rows
 from .state import decoder_for
 from .text import codec_for
 from .turns import Claim, Turns
@@ -150,7 +150,9 @@ class Session:
                 "without --draft-vocab")
         if speculator is not None and graph.rows_mixed:
             raise GenerationError(f"{graph.path.parent} cannot be speculated over exactly: {graph.rows_mixed}")
-        if speculator is not None and not graph.rows_exact and self.manifest.dtype in HALF:
+        self.rows = fixed_rows(graph)
+        """Rows of every decoding call of the target (``Config.fixed_rows``; 0: as many as it needs)."""
+        if speculator is not None and not graph.rows_exact and not self.rows and self.manifest.dtype in HALF:
             log.warning("speculating over %s, a %s graph on kernels that compute a verification's rows apart from "
                         "one-row steps: they agree to %s rounding, so greedy output can part from plain greedy "
                         "output where two tokens tie that closely (docs/exactness.md)", graph.path.parent,
@@ -158,9 +160,12 @@ class Session:
         self.codec = codec_for(graph)
         self._graph = graph
         self._chat: ChatTemplate | None = None
-        self.k = self._check_k(k if k is not None else speculator.default_k if speculator else 4)
+        self.k = self._check_rows(self._check_k(k if k is not None else speculator.default_k if speculator else 4))
         self.adaptive_k = as_bool(adaptive_k, "adaptive_k")
         self.k_max = self._check_k(k_max if k_max is not None else max(self.k, min(2 * self.k, K_MAX)), "k_max")
+        if k_max is None and self.rows:  # the default ceiling stays within the fixed rows
+            self.k_max = min(self.k_max, self.rows - 1)
+        self._check_rows(self.k_max, "k_max")
         self.speculator = speculator
         self._k_choice = None if not self.adaptive_k or speculator is None else \
             KChoice(min(self.k, self.k_max), self.k_max, speculator.drafters)
@@ -195,6 +200,14 @@ class Session:
     @staticmethod
     def _check_k(k, name: str = "k (tokens drafted per round)") -> int:
         return as_int(k, name, 1, K_MAX)
+
+    def _check_rows(self, k: int, name: str = "k") -> int:
+        """``k`` when it fits the fixed rows of every call (a round feeds k + 1 rows)."""
+        if self.rows and k + 1 > self.rows:
+            raise GenerationError(f"{name}={k} drafts more than the target's fixed rows leave room for "
+                                  f"({self.rows} rows: k <= {self.rows - 1}); set fixed_rows = {k + 1} in the config, "
+                                  f"or pass k <= {self.rows - 1}")
+        return k
 
     # -- public API -------------------------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
@@ -237,7 +250,7 @@ class Session:
         # never adapts: k follows the clock there, and its sample must not (docs/exactness.md, "Seeds")
         adaptive = self._k_choice is not None and seed is None
         if k is not None:
-            k = self._check_k(k)
+            k = self._check_rows(self._check_k(k)) if self.speculator is not None else self._check_k(k)
         else:  # adaptive: a cap only; a seeded request under adaptive_k: where adaptive_k starts
             k = K_MAX if adaptive else self.k if self._k_choice is None else min(self.k, self.k_max)
         ctx = Context(tokens=list(prompt_ids), params=params, rng=make_rng(seed))
@@ -364,18 +377,19 @@ class Session:
                 stats.providers["draft"] = list(spec.providers)
             text = TextStream(self.codec.decoder(), stops) if self.codec is not None else None
             run0 = target.run_seconds + (spec.run_seconds if spec else 0.0)
-            rounds = Round(ctx, target, spec)
+            rounds = Round(ctx, target, spec, self.rows)
             rounds.prefill()
             t_decode = time.perf_counter()
             stats.prefill_seconds = t_decode - t_start
             run0 = target.run_seconds + (spec.run_seconds if spec else 0.0)  # decode only, like decode_seconds
+            pad = self.rows - 1 if self.rows else 0  # a fixed-rows call writes that many positions past its tokens
             choice = self._k_choice if spec is not None and adaptive else None
             k_now = min(choice.k, k) if choice is not None else k
             if spec is not None and spec.drafters > 1 and self._k_choice is not None:
                 spec.set_ks(choice.ks if choice is not None else [k] * spec.drafters)
             while True:
                 generated = len(ctx.tokens) - prompt_len
-                budget = min(max_new - generated, self.manifest.max_positions - len(ctx.tokens))
+                budget = min(max_new - generated, self.manifest.max_positions - len(ctx.tokens) - pad)
                 if budget <= 0:
                     finish = "length"
                     break
