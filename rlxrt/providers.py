@@ -21,18 +21,20 @@ class ProviderInfo:
     platforms: tuple[str, ...]
     """``sys.platform`` prefixes it exists on; empty means every platform."""
     default_options: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    """Provider options passed to ORT unless the config overrides them."""
+    """Provider options passed to ORT unless the config overrides them. None set ``device_id``: ORT's default is
+    device 0, and since ONNX Runtime 1.26 a ``device_id`` option makes it look for a registered plugin EP device
+    first and log "No registered plugin EP device found" at every session before it takes the built-in provider
+    (a ``device_id`` the config sets still logs it; the session is the same)."""
 
 
 PROVIDERS: tuple[ProviderInfo, ...] = (
     ProviderInfo("cpu", "CPUExecutionProvider", "pip install 'rlxrt[cpu]'", ()),
-    ProviderInfo("cuda", "CUDAExecutionProvider", "pip install 'rlxrt[cuda]'", ("linux", "win32"),
-                 MappingProxyType({"device_id": "0"})),
+    ProviderInfo("cuda", "CUDAExecutionProvider", "pip install 'rlxrt[cuda]'", ("linux", "win32")),
     ProviderInfo("tensorrt", "TensorrtExecutionProvider", "pip install 'rlxrt[cuda]' (plus TensorRT libraries)",
-                 ("linux", "win32"), MappingProxyType({"device_id": "0"})),
+                 ("linux", "win32")),
     ProviderInfo("coreml", "CoreMLExecutionProvider", "pip install 'rlxrt[cpu]' on macOS", ("darwin",)),
     ProviderInfo("directml", "DmlExecutionProvider", "pip install onnxruntime-directml (instead of onnxruntime)",
-                 ("win32",), MappingProxyType({"device_id": "0"})),
+                 ("win32",)),
     ProviderInfo("openvino", "OpenVINOExecutionProvider", "pip install onnxruntime-openvino (instead of onnxruntime)",
                  ("linux", "win32")),
     ProviderInfo("qnn", "QNNExecutionProvider", "pip install onnxruntime-qnn (instead of onnxruntime)",

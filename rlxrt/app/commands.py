@@ -161,7 +161,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _at_least(args, prompt_index=0, max_new_tokens=1, repeats=1)
     if args.model == "smollm2":
         return _demo_smollm2(args)
-    target, draft = pair_of(args)
+    config = config_of(args, intra_op_threads=1)
+    target, draft = pair_of(args, config=config)
     prompts = prompts_of(args, args.prompt_index + 1)
     if args.prompt_index >= len(prompts):
         raise InputError(f"--prompt-index {args.prompt_index} is out of range: there are {len(prompts)} prompt(s) "
@@ -176,7 +177,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if head is None:
             raise UsageError("this install lacks the shipped MTP head; reinstall rlxrt or pick --speculator draft")
     run_demo(target, draft, prompts[args.prompt_index], max_new_tokens=args.max_new_tokens, k=args.k,
-             config=config_of(args, intra_op_threads=1), repeats=args.repeats, head=head,
+             config=config, repeats=args.repeats, head=head,
              lookup=kind.startswith("lookup+"))
     return 0
 
@@ -259,7 +260,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.min_draft_prob is not None and not 0 < args.min_draft_prob < 1:
         raise InputError(f"--min-draft-prob must be in (0, 1), got {args.min_draft_prob}")
     config = config_of(args, intra_op_threads=1)
-    target, draft = pair_of(args, draft_optional=True)
+    target, draft = pair_of(args, draft_optional=True, config=config)
     prompts = prompts_of(args, args.prompts)
     hf = None
     if not args.no_hf and not args.chat:

@@ -40,9 +40,9 @@ def head_dir(head: str | None, target: str | None):
                      "shipped reference target comes with one")
 
 
-def pair_of(args: argparse.Namespace, draft_optional: bool = False):
-    """(target, draft) from --target/--draft, else the shipped reference pair; ``draft_optional``: a target
-    alone is fine (draft None)."""
+def pair_of(args: argparse.Namespace, draft_optional: bool = False, config=None):
+    """(target, draft) from --target/--draft, else the shipped reference pair (its float16 graphs where
+    ``config`` runs on a GPU); ``draft_optional``: a target alone is fine (draft None)."""
     from pathlib import Path
 
     from .reference import reference_pair
@@ -52,7 +52,7 @@ def pair_of(args: argparse.Namespace, draft_optional: bool = False):
     if args.target or args.draft:
         need = "--target (and --draft if you have one)" if draft_optional else "both --target and --draft"
         raise UsageError(f"pass {need}, or neither (to use the shipped reference pair)")
-    return reference_pair()
+    return reference_pair(config)
 
 
 def prompts_of(args: argparse.Namespace, n: int) -> list[str]:

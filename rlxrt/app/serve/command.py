@@ -61,7 +61,7 @@ def options_from(args: argparse.Namespace, workers: int, config):
     if args.target is None:
         if args.draft or args.head:
             raise UsageError("--draft/--head need --target (or pass neither, for the shipped pair)")
-        target, draft = map(str, reference_pair())
+        target, draft = map(str, reference_pair(config))
         speculator = args.speculator or "draft"
         helper = draft if model_of(speculator) == "draft" else None
         if model_of(speculator) == "mtp":

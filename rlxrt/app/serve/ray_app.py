@@ -48,11 +48,11 @@ def build(args: dict[str, Any]):
     unknown = set(args) - known
     if unknown:
         raise ValueError(f"unknown argument(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
-    target, draft = (args["target"], args.get("draft")) if "target" in args else map(str, reference_pair())
     workers = int(args.get("workers", 1))
-    speculator = args.get("speculator", "draft" if draft else "none")
     config = load_config(None, providers=args.get("providers"),
                          intra_op_threads=int(args.get("threads", default_threads(workers))))
+    target, draft = (args["target"], args.get("draft")) if "target" in args else map(str, reference_pair(config))
+    speculator = args.get("speculator", "draft" if draft else "none")
     k = int(args["k"]) if "k" in args else SERVE_MODEL_K if model_of(speculator) else None
     opts = ServeOptions(target=str(target), speculator=speculator, draft=draft, k=k, config=config,
                         min_prob=float(args.get("min_draft_prob", 0.0)),
