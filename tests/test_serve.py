@@ -67,9 +67,9 @@ def test_min_draft_prob_serves_plain_greedy_with_shorter_chains():
     """`serve --head H -k 4 --min-draft-prob 0.5`: the replies equal plain greedy decoding, and some rounds
     drafted fewer than k tokens (the shipped head: about 1.4 tokens a round at P=0.5, 3.6 at P=0, when the length
     clips the last rounds)."""
-    from rlxrt.app.commands import _head
+    from rlxrt.app.flags import head_dir
 
-    server = Running(options(TARGET, "mtp", _head(None, None), k=4, min_prob=0.5))
+    server = Running(options(TARGET, "mtp", head_dir(None, None), k=4, min_prob=0.5))
     try:
         c, plain = server.client(), Session(TARGET, None, CPU)
         drafted = rounds = 0
