@@ -71,6 +71,8 @@ class Round:
 
     drafted = 0
     """Tokens the last round's speculator proposed."""
+    new: list[int] = []
+    """The tokens the last round committed (its decision's, as a list)."""
     draft_seconds = 0.0
     target_seconds = 0.0
     """The last round's time in ``propose``, and in the target's pass with the decision."""
@@ -106,10 +108,12 @@ class Round:
         feed = self._feed[:max(len(drafted) + 1, self.rows)]
         feed[0] = ctx.tokens[-1]
         feed[1:len(drafted) + 1] = drafted
-        feed[len(drafted) + 1:] = feed[0]  # padding: written past the committed length, never read
+        if self.rows:
+            feed[len(drafted) + 1:] = feed[0]  # padding: written past the committed length, never read
         decision, verify = self.verify(self.target, feed, proposal, ctx)
         t2 = time.perf_counter()
-        ctx.tokens.extend(decision.tokens.tolist())
+        self.new = decision.tokens.tolist()
+        ctx.tokens.extend(self.new)
         self.target.commit(ctx.read)
         if spec is not None:
             spec.commit(ctx, decision, verify)

@@ -318,7 +318,7 @@ class Session:
                     break
                 t0 = time.perf_counter()
                 decision = rounds.run(min(k_now, budget - 1) if spec is not None else 0)
-                new = decision.tokens.tolist()
+                new = rounds.new
                 stats.record_round(rounds.drafted, decision.accepted, decision.bonus)
                 stats.draft_seconds += rounds.draft_seconds
                 stats.target_seconds += rounds.target_seconds
