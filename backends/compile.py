@@ -27,6 +27,7 @@ from rlxrt.manifest import Manifest
 from rlxrt.providers import short_name
 
 from . import cpu_kernels
+from .batched import batched_manifest, prepare as prepare_batch, refusal as batch_refusal
 from .rows import mixed_rows
 from ._ort import ort_errors
 from .contract import check_contract
@@ -84,6 +85,8 @@ class CompiledGraph:
     rows_exact: bool = False
     """Every MatMul-like node and every attention runs rlxrt's kernels: a row's output is bitwise the same alone
     or in a (k+1)-row verification (cpu_kernels.Plan.rows_exact)."""
+    batched: bool = False
+    """The batched variant of a fused graph (``backends/batched.py``)."""
     rows_mixed: str | None = None
     """Why a (k+1)-row verification is not computed like one-row steps, beyond float rounding, and the fix
     (``rows.mixed_rows``); None when it is. A Session refuses to speculate over such a target."""
@@ -183,8 +186,11 @@ def _make_session(ort, path: Path, opts, res: Resolution):
 
 
 def compile(model: str | os.PathLike, config: Config | None = None, *,
-            registry: Registry | None = None) -> CompiledGraph:
+            registry: Registry | None = None, batched: bool = False) -> CompiledGraph:
     """Create an optimised ORT session for ``model`` (an .onnx file or an exported model directory).
+
+    ``batched`` compiles the batched variant of a fused graph (``backends/batched.py``): several sequences a
+    call, each in a slot of the KV buffers; ProviderError where it cannot be made, with the reason and the fix.
 
     ``config`` defaults to :func:`rlxrt.load_config` (environment, ``rlxrt.toml``).
     Provider fallbacks are errors under ``config.strict`` and warnings otherwise,
@@ -201,7 +207,14 @@ def compile(model: str | os.PathLike, config: Config | None = None, *,
     res = registry.resolve(config)
     ort = registry.ort
     provider = res.names[0] if res.names else "cpu"
+    if batched and manifest is not None and manifest.graph_kind == "fused":
+        prepare_batch(proto, manifest.inputs)  # planned on the graph the batch will run
     kernels = cpu_kernels.plan(proto, config.cpu_kernels, provider)
+    if batched:
+        why = batch_refusal(manifest, kernels)
+        if why:
+            raise ProviderError(f"{graph_path.parent}: cannot serve a batch: {why}")
+        kernels.batched, kernels.state = dict(manifest.inputs), f"{kernels.state}, batched"
 
     cache_state, cache_path, session = "off", None, None
     before = resident_chunks() if config.huge_pages else None
@@ -235,13 +248,14 @@ def compile(model: str | os.PathLike, config: Config | None = None, *,
     inputs = [TensorSpec(i.name, tuple(i.shape), i.type) for i in session.get_inputs()]
     outputs = [TensorSpec(o.name, tuple(o.shape), o.type) for o in session.get_outputs()]
     if manifest is not None:
-        check_contract(manifest, inputs, outputs, str(graph_path.parent / "rlxrt.json"))
+        check_contract(batched_manifest(manifest) if batched else manifest, inputs, outputs,
+                       str(graph_path.parent / "rlxrt.json"))
     return CompiledGraph(
         session=session, path=graph_path, manifest=manifest, providers=used,
         requested=list(config.providers), fallbacks=fallbacks, inputs=inputs, outputs=outputs,
         cache=cache_state, cache_path=cache_path, load_seconds=time.perf_counter() - start, config=config,
         errors=ort_errors(ort), huge_pages=pages, cpu_kernels=kernels.state,
-        rows_exact=bool(kernels.nodes) and kernels.rows_exact, rows_mixed=mixed,
+        rows_exact=bool(kernels.nodes) and kernels.rows_exact, rows_mixed=mixed, batched=batched,
     )
 
 

@@ -107,6 +107,8 @@ class Plan:
     rows_exact: bool = False
     """Every MatMul-like node and every attention of the graph runs rlxrt's kernels, so that (the other ops of a
     fused graph being row by row) a row's output is bitwise the same alone or in a verification."""
+    batched: dict | None = None
+    """The manifest's input names when the rewrite also makes the batched variant (``batched.batch``)."""
 
 
 class Source(NamedTuple):
@@ -364,7 +366,13 @@ def rewritten(graph: Path, chosen: Plan, work: Path) -> Path:
 
     model = onnx.load(os.fspath(graph), format="protobuf", load_external_data=False)
     _read_external(model, graph)
+    if chosen.batched is not None:
+        from .batched import batch, prepare
+
+        prepare(model, chosen.batched)
     rewrite(model, chosen)
+    if chosen.batched is not None:
+        batch(model, chosen.batched)
     out = work / "source.onnx"
     onnx.save_model(model, os.fspath(out), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=out.name + ".data", size_threshold=1024)

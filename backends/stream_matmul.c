@@ -140,6 +140,7 @@ static Status *shape_of(Api api, const void *value, int *type, int64_t *dims, si
 }
 
 #include "stream_attention.h"
+#include "stream_batch.h"
 
 static const char *const NAMES[] = {"StreamMatMul", "StreamMatMulQ4", "StreamMatMulQx8"};
 
@@ -269,6 +270,13 @@ static const CustomOp attention_op = {
   .GetOutputCharacteristic = zero, .GetInputMemoryType = zero, .CreateKernelV2 = attention_create,
   .KernelComputeV2 = attention_compute};
 
+static const CustomOp batch_op = {
+  .version = 16, .GetName = batch_name, .GetExecutionProviderType = provider,
+  .GetInputType = batch_input_type, .GetInputTypeCount = eight, .GetOutputType = float_type,
+  .GetOutputTypeCount = three_out, .KernelDestroy = destroy, .GetInputCharacteristic = optional_kv,
+  .GetOutputCharacteristic = zero, .GetInputMemoryType = zero, .CreateKernelV2 = attention_create,
+  .KernelComputeV2 = batch_compute};
+
 static const void *stream_matmul_api; /* the OrtApi table, set before the domain is made */
 typedef Status *(*CreateDomainFn)(const char *, void **);
 typedef Status *(*DomainAddFn)(void *, const CustomOp *);
@@ -286,7 +294,8 @@ static void make_domain(void) {
       CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &ops[0]) ||
       CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &ops[1]) ||
       CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &ops[2]) ||
-      CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &attention_op))
+      CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &attention_op) ||
+      CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &batch_op))
     domain_error = "rlxrt's StreamMatMul: onnxruntime refused its custom-op domain";
 }
 

@@ -40,6 +40,9 @@ class GraphModel:
 
     greedy_ids = False
     """True when the graph has a greedy head: ``forward_ids`` returns each row's argmax without the logits."""
+    shared = False
+    """True for a slot of a Batch (``batch.Slot``): its calls run in steps with other sequences', and it plans
+    its k with them (``k_cap``, ``observe``, ``idle``)."""
     greedy_rows = 0
     """Rows this model's greedy head has answered (``forward_ids``), since it was made."""
     greedy_fallbacks = 0

@@ -15,6 +15,7 @@ import logging
 import numbers
 import os
 import time
+import weakref
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -54,7 +55,7 @@ class Session:
     ``k``) even then, so that the same seed gives the same sample alone or beside other requests.
     """
 
-    def __init__(self, target: str | os.PathLike | CompiledGraph, speculator: Speculator | None = None,
+    def __init__(self, target: "str | os.PathLike | CompiledGraph | Batch", speculator: Speculator | None = None,
                  config: Config | None = None, *, k: int | None = None, adaptive_k: bool = False,
                  k_max: int | None = None):
         if speculator is not None and not isinstance(speculator, Speculator):
@@ -62,8 +63,14 @@ class Session:
                                   f"subclass of rlxrt.speculator.Speculator), got {type(speculator).__name__}")
         if config is not None:
             check_config(config)
-        graph = target if isinstance(target, CompiledGraph) else compile(target, config)
-        self.target = decoder_for(graph)
+        from .batch import Batch
+
+        if isinstance(target, Batch):  # one slot of a batched graph, for this Session's life
+            graph, self.target = target.graph, target.slot()
+            weakref.finalize(self, target.release, self.target)
+        else:
+            graph = target if isinstance(target, CompiledGraph) else compile(target, config)
+            self.target = decoder_for(graph)
         self.manifest = self.target.manifest
         if self.target.vocab_ids is not None:
             raise ModelFormatError(
@@ -178,7 +185,8 @@ class Session:
             k = K_MAX if adaptive else self.k if self._k_choice is None else min(self.k, self.k_max)
         ctx = Context(tokens=list(prompt_ids), params=params, rng=make_rng(seed))
         result = _Result(prompt_ids)
-        return Stream(self._run(result, ctx, max_new, k, stops, stop_ids, adaptive), result, self._turns)
+        return Stream(self._run(result, ctx, max_new, k, stops, stop_ids, adaptive, seed is None), result,
+                      self._turns)
 
     def chat(self, messages: Sequence[dict], max_new_tokens: int = 128, **kwargs) -> Generation:
         """Reply to ``messages`` ([{"role": "system" | "user" | "assistant", "content": text}, ...]) rendered
@@ -286,9 +294,12 @@ class Session:
         return ids
 
     def _run(self, result: _Result, ctx: Context, max_new: int, k: int, stops: list[str],
-             stop_ids: set[int], adaptive: bool) -> Iterator[str]:
+             stop_ids: set[int], adaptive: bool, planned: bool = True) -> Iterator[str]:
+        """One request, round by round; ``planned``: a batched slot's plan may lower its k (not for a seeded
+        request, whose k is part of its seed's contract)."""
         claim = result.claim  # taken by Stream.__next__ before this first step
         target, spec = self.target, self.speculator
+        shared = target.shared  # a slot of a Batch: its steps run with other Sessions' rounds
         prompt_len = len(ctx.tokens)
         finish, reason, text, paused = "error", None, None, 0.0
         stats = RequestStats(prompt_tokens=prompt_len, speculator=self._spec_name)
@@ -317,11 +328,16 @@ class Session:
                     finish = "length"
                     break
                 t0 = time.perf_counter()
-                decision = rounds.run(min(k_now, budget - 1) if spec is not None else 0)
+                k_round = min(k_now, budget - 1) if spec is not None else 0
+                if shared and planned:
+                    k_round = target.k_cap(k_round)
+                decision = rounds.run(k_round)
                 new = rounds.new
                 stats.record_round(rounds.drafted, decision.accepted, decision.bonus)
                 stats.draft_seconds += rounds.draft_seconds
                 stats.target_seconds += rounds.target_seconds
+                if shared:
+                    target.observe(rounds.drafted, decision.accepted, rounds.draft_seconds)
                 if choice is not None:
                     k_now = min(k, choice.observe(rounds.drafted, decision.accepted, time.perf_counter() - t0,
                                                   spec.drafted_by))
@@ -368,6 +384,8 @@ class Session:
             raise
         finally:
             end = time.perf_counter()
+            if shared:
+                target.idle()
             if not claim.cancelled:
                 stats.run_seconds = target.run_seconds + (spec.run_seconds if spec else 0.0) - run0
             self._turns.give_back(claim)

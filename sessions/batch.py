@@ -1,0 +1,333 @@
+"""Continuous batching: many Sessions' targets are slots of ONE batched fused graph, and every step runs the
+calls of all of them in one ONNX Runtime call that reads each weight once.
+
+``Batch(target_dir, slots=8)`` compiles the batched variant of a fused graph (``backends/batched.py``) and holds
+its KV buffers, [slots, kv_heads, capacity, head_dim] per tensor, allocated once. ``Session(batch, speculator)``
+takes a free slot (a ``Slot``, a decoder like any other) for its life. A Session runs its requests as it
+always does, round by round on its own thread; its slot's ``forward`` hands the round's tokens to the batch
+and waits. A step starts once every slot in a request has handed in its tokens (or the first has waited
+``gather_seconds``): the thread that completes it runs the step for all of them, copies each slot's rows to
+the slot's own buffers and wakes the others. Requests join and leave between steps; a prompt enters ``chunk``
+tokens a step, so a long one does not stall the others.
+
+A slot's rows are computed bitwise as the one-sequence graph computes them (rlxrt's kernels compute a row the
+same among any others), so batching changes no output: greedy output equals the request served alone, and a
+seeded request follows the seed contract (docs/exactness.md). What batching does change is what a drafted token
+costs: after each step the batch plans every slot's k for its next round from the measured step cost and the
+slot's acceptance (``k_policy.plan_ks``); a Session drafts at most that (a seeded request keeps its k).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+
+from rlxrt.backends import CompiledGraph, compile
+from rlxrt.config import Config
+from rlxrt.checks import as_int
+from rlxrt.errors import GenerationError
+from rlxrt.limits import K_MAX
+
+from .k_policy import Sequence, StepCost, plan_ks
+from .kv import GraphModel
+
+CHUNK = 32
+"""Prompt tokens a slot feeds a step by default."""
+GATHER_SECONDS = 0.05
+"""The longest a step waits for a slot in a request to hand in its tokens (one that never does: a stream that
+is not read) before it runs without it."""
+PRIOR_ACCEPTANCE = 0.5
+ACCEPTANCE_DECAY = 0.9
+CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class Batch:
+    """One batched graph and the slots of its KV buffers (see the module's text)."""
+
+    def __init__(self, target: str | os.PathLike | CompiledGraph, config: Config | None = None, *, slots: int = 8,
+                 chunk: int = CHUNK, gather_seconds: float = GATHER_SECONDS, calibrate: bool = True):
+        import onnxruntime as ort
+
+        graph = target if isinstance(target, CompiledGraph) and target.batched else \
+            compile(target.path.parent if isinstance(target, CompiledGraph) else target,
+                    target.config if isinstance(target, CompiledGraph) and config is None else config, batched=True)
+        self.graph, m = graph, graph.manifest
+        self.slots = as_int(slots, "slots", 1, 1024)
+        self.chunk = as_int(chunk, "chunk", 1, 1 << 16)
+        self.gather_seconds = float(gather_seconds)
+        kv = m.kv_cache
+        self.capacity = kv.capacity
+        self.width = max(self.chunk, K_MAX + 1)
+        """The most tokens one slot feeds a step."""
+        rows_max = self.slots * self.width
+        self._binding = graph.session.io_binding()
+        self._buffers = []
+        shape = [self.slots, kv.kv_heads, kv.capacity, kv.head_dim]
+        for i in range(kv.layers):
+            past_k, past_v, present_k, present_v = kv.names(i)
+            for past, present in ((past_k, present_k), (past_v, present_v)):
+                buf = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.dtype(kv.dtype), "cpu", 0)
+                self._binding.bind_ortvalue_input(past, buf)
+                self._binding.bind_ortvalue_output(present, buf)
+                self._buffers.append(buf)
+        self.vocab = m.vocab_size
+        self._ids_name, self._logits_name = m.inputs["input_ids"], m.outputs["logits"]
+        self._hidden_name = m.outputs.get("hidden_states")
+        self._ids = np.zeros((1, rows_max), np.int64)
+        self._seqs = np.zeros((self.slots, 3), np.int32)
+        self._rows = np.zeros(self.slots * (K_MAX + 1), np.int64)
+        self._logits = np.zeros((1, self.slots * (K_MAX + 1), self.vocab), np.float32)
+        self._hidden: np.ndarray | None = None
+        self._values: dict[tuple[str, int], object] = {}  # an OrtValue per (array, length): made once
+        self._ort = ort
+        self._cond = threading.Condition()
+        self._free = list(range(self.slots))
+        self._all: list[Slot] = []
+        self._running = False
+        self.steps = 0
+        self.run_seconds = 0.0
+        self.cost = StepCost({1: 1.0})
+        if calibrate:
+            self.cost = StepCost(self._calibrate())
+        self._plan: dict[int, tuple[int, int]] = {}
+        """slot -> (its k, the k it wanted when planned)"""
+
+    # -- slots ----------------------------------------------------------------------------------------------
+    def slot(self) -> "Slot":
+        """A free slot, for one Session's life (``release`` gives it back); GenerationError when none is free."""
+        with self._cond:
+            if not self._free:
+                raise GenerationError(f"all {self.slots} slots of the batch are taken; make the Batch with more "
+                                      "slots, or release one")
+            s = Slot(self, self._free.pop(0))
+            self._all.append(s)
+            return s
+
+    def release(self, slot: "Slot") -> None:
+        with self._cond:
+            if slot in self._all:
+                slot.idle()
+                self._all.remove(slot)
+                self._free.append(slot.index)
+                self._cond.notify_all()
+
+    def fetch_hidden(self) -> int:
+        """Return the hidden states of every row from now on (a head drafts from them); their width."""
+        if not self._hidden_name or self._hidden_name not in self.graph.output_names:
+            raise GenerationError(f"{self.graph.path.parent} has no hidden_states output; re-export the target with "
+                                  "--with-hidden-states")
+        spec = next(t for t in self.graph.outputs if t.name == self._hidden_name)
+        width = spec.shape[-1]
+        if self._hidden is None:
+            self._hidden = np.zeros((1, self._ids.shape[1], int(width)), np.float32)
+        return int(width)
+
+    # -- one step -------------------------------------------------------------------------------------------
+    def submit(self, slot: "Slot", tokens: np.ndarray, rows: int) -> None:
+        """Hand in ``tokens`` of ``slot`` (its last ``rows`` rows wanted) and wait until a step has run them all;
+        the rows are then in the slot's buffers."""
+        with self._cond:
+            slot.pending, slot.fed, slot.want, slot.error = tokens, 0, rows, None
+            slot.since = time.perf_counter()
+            self._cond.notify_all()
+            while slot.pending is not None:
+                if not self._running and self._ready():
+                    self._step()
+                else:
+                    self._cond.wait(self.gather_seconds / 4)
+            if slot.error is not None:
+                raise slot.error
+
+    def _ready(self) -> bool:
+        """Whether a step may start: every slot in a request has handed in, or one has waited long enough."""
+        waiting = [s for s in self._all if s.pending is not None]
+        if not waiting:
+            return False
+        if all(s.pending is not None for s in self._all if s.active):
+            return True
+        return time.perf_counter() - min(s.since for s in waiting) > self.gather_seconds
+
+    def _step(self) -> None:
+        """Run one step over every slot that handed in tokens (called with the lock held; released while
+        ONNX Runtime runs)."""
+        taking = [s for s in self._all if s.pending is not None]
+        t, r, parts = 0, 0, []
+        for n, s in enumerate(taking):
+            left = len(s.pending) - s.fed  # a prompt goes in chunks; the last holds every row wanted
+            count = left if left <= max(self.chunk, s.want) else min(self.chunk, left - s.want)
+            last = s.fed + count == len(s.pending)
+            want = min(s.want, count) if last else 0
+            self._ids[0, t:t + count] = s.pending[s.fed:s.fed + count]
+            self._seqs[n] = (s.index, s.length, count)
+            self._rows[r:r + want] = np.arange(t + count - want, t + count)
+            parts.append((s, t, count, r, want, last))
+            t, r = t + count, r + want
+        self._running = True
+        self._cond.release()
+        error, seconds = None, 0.0
+        try:
+            seconds = self._run(t, len(taking), r)
+        except Exception as exc:  # every slot of the step hears of it, in its own thread
+            error = exc
+        finally:
+            self._cond.acquire()
+            self._running = False
+        for s, start, count, r0, want, last in parts:
+            if error is not None:
+                s.pending, s.error = None, error if isinstance(error, GenerationError) else GenerationError(
+                    f"the batched step failed: {error}")
+                continue
+            if self._hidden is not None:
+                s.keep_hidden(self._hidden[0, start:start + count], s.fed, len(s.pending))
+            s.length += count
+            s.fed += count
+            if last:
+                s.deliver(self._logits[0, r0:r0 + want])
+                s.pending = None
+        if error is None:
+            self.steps += 1
+            self.cost.observe(t, seconds)
+            self._replan()
+        self._cond.notify_all()
+
+    def _value(self, name: str, array: np.ndarray, n: int):
+        key = (name, n)
+        if key not in self._values:
+            self._values[key] = self._ort.OrtValue.ortvalue_from_numpy(array)
+        return self._values[key]
+
+    def _run(self, tokens: int, sequences: int, rows: int) -> float:
+        b = self._binding
+        b.bind_ortvalue_input(self._ids_name, self._value("ids", self._ids[:, :tokens], tokens))
+        b.bind_ortvalue_input("sequences", self._value("seqs", self._seqs[:sequences], sequences))
+        b.bind_ortvalue_input("logit_rows", self._value("rows", self._rows[:rows], rows))
+        b.bind_ortvalue_output(self._logits_name, self._value("logits", self._logits[:, :rows], rows))
+        if self._hidden is not None:
+            b.bind_ortvalue_output(self._hidden_name, self._value("hidden", self._hidden[:, :tokens], tokens))
+        t0 = time.perf_counter()
+        try:
+            self.graph.session.run_with_iobinding(b)
+        except self.graph.errors as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:400]
+            raise GenerationError(f"onnxruntime failed running the batched {self.graph.path}: {first}") from exc
+        seconds = time.perf_counter() - t0
+        self.run_seconds += seconds
+        return seconds
+
+    def _calibrate(self) -> dict[int, float]:
+        """Seconds of a step of R rows for R in CALIBRATION_ROWS (up to what a step can hold), the median of 3,
+        measured on slot 0 before any request (what it writes is overwritten by the first prefill)."""
+        points = {}
+        for rows in (r for r in CALIBRATION_ROWS if r <= min(self.width, self.capacity)):
+            self._ids[0, :rows] = 0
+            self._seqs[0] = (0, 0, rows)
+            self._rows[0] = rows - 1
+            points[rows] = float(np.median([self._run(rows, 1, 1) for _ in range(3)]))
+        return points
+
+    def _replan(self) -> None:
+        """Every drafting slot's k for its next round (``k_policy.plan_ks``), from the step cost and acceptances."""
+        active = [s for s in self._all if s.active]
+        plan = plan_ks(self.cost, [Sequence(s.acceptance, s.k_wanted, s.draft_seconds) for s in active])
+        self._plan = {s.index: (k, s.k_wanted) for s, k in zip(active, plan)}
+
+    def k_for(self, slot: "Slot") -> int:
+        """The planned k of ``slot`` (planned again when it wants another k than the plan assumed)."""
+        k, wanted = self._plan.get(slot.index, (0, -1))
+        if wanted != slot.k_wanted:
+            self._replan()
+            k, wanted = self._plan.get(slot.index, (slot.k_wanted, slot.k_wanted))
+        return k
+
+
+class Slot(GraphModel):
+    """One sequence of a Batch: a decoder like the others (``decoder.Decoder``), whose calls run in the
+    batch's steps. Its logits and hidden states are its own copies, valid until its next call."""
+
+    shared = True
+
+    def __init__(self, batch: Batch, index: int):
+        super().__init__(batch.graph)
+        self.batch, self.index = batch, index
+        self.max_positions = min(self.manifest.max_positions, batch.capacity)
+        self.pending: np.ndarray | None = None
+        self.fed = self.want = 0
+        self.since = 0.0
+        self.error: Exception | None = None
+        self.active = False
+        self.acceptance, self.draft_seconds = PRIOR_ACCEPTANCE, 0.0
+        self.k_wanted = 0
+        """The k the Session would draft next round, before the batch's plan caps it."""
+        self._logits = np.zeros((K_MAX + 1, self.logits_width), np.float32)
+        self._hidden_buf: np.ndarray | None = None
+        self._out: np.ndarray = self._logits[:0]
+        self.length = 0
+
+    @property
+    def providers(self) -> list[str]:
+        return self.graph.providers
+
+    def fetch_hidden(self) -> int:
+        width = self.batch.fetch_hidden()
+        self._hidden_buf = np.zeros((self.batch.width, width), np.float32)
+        return width
+
+    def reset(self) -> None:
+        with self.batch._cond:
+            self.length, self.hidden, self.active = 0, None, True
+
+    def idle(self) -> None:
+        """The request ended: steps no longer wait for this slot."""
+        with self.batch._cond:
+            self.active = False
+            self.batch._cond.notify_all()
+
+    def keep_hidden(self, rows: np.ndarray, at: int, total: int) -> None:
+        """Rows ``at``.. of the hidden states of this slot's call of ``total`` tokens (a prompt comes in chunks);
+        called by a step under the batch's lock."""
+        if self._hidden_buf is None:
+            return
+        if total > len(self._hidden_buf):  # a longer prompt than any before: grown once
+            self._hidden_buf = np.zeros((total, self._hidden_buf.shape[1]), np.float32)
+        self._hidden_buf[at:at + len(rows)] = rows
+        self.hidden = self._hidden_buf[:total]
+
+    def deliver(self, logits: np.ndarray) -> None:
+        """The rows of this slot's call, copied out of the step's buffer (under the batch's lock)."""
+        n = len(logits)
+        self._logits[:n] = logits
+        self._out = self._logits[:n]
+
+    def forward(self, tokens, rows: int | None = None) -> np.ndarray:
+        s = len(tokens)
+        end = self.length + s
+        if end > self.max_positions:
+            raise GenerationError(f"sequence of {end} tokens exceeds the model's KV capacity ({self.max_positions}); "
+                                  "shorten the request, or re-export with a larger --max-context")
+        n = s if rows is None else min(rows, s)
+        if n > K_MAX + 1:
+            raise GenerationError(f"a batched slot returns at most {K_MAX + 1} rows of logits a call, {n} were asked")
+        self.active = True
+        t0 = time.perf_counter()
+        self.batch.submit(self, np.asarray(tokens, np.int64), n)
+        self.run_seconds += time.perf_counter() - t0
+        return self._out
+
+    def commit(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def k_cap(self, wanted: int) -> int:
+        """The k this slot drafts next round when its Session would draft ``wanted``: the batch's plan."""
+        with self.batch._cond:
+            self.k_wanted = wanted
+            return min(wanted, self.batch.k_for(self))
+
+    def observe(self, drafted: int, accepted: int, draft_seconds: float) -> None:
+        """A round's result: the acceptance and drafting cost the batch plans with."""
+        if drafted <= 0:
+            return
+        rate = accepted / min(drafted, accepted + 1)  # of the positions reached (a rejection ends the round)
+        self.acceptance = ACCEPTANCE_DECAY * self.acceptance + (1 - ACCEPTANCE_DECAY) * rate
+        self.draft_seconds = ACCEPTANCE_DECAY * self.draft_seconds + (1 - ACCEPTANCE_DECAY) * draft_seconds / drafted

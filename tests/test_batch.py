@@ -1,0 +1,194 @@
+"""Continuous batching (sessions/batch.py, backends/batched.py): the batched fused graph computes every slot's
+rows bitwise as the one-sequence graph computes them, with rollbacks of different lengths per slot and prompts
+fed in chunks; Sessions on one Batch, joining and leaving while others decode, each give what they give alone
+(greedy and seeded sampled, every speculator); batched sampled rounds keep the target's distribution; what
+cannot be batched is refused with the fix."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from lossless import assert_first_two_tokens_follow, two_token_marginals
+from rlxrt.backends import compile
+from rlxrt.config import Config
+from rlxrt.errors import GenerationError, ProviderError
+from rlxrt.sampling import SamplingParams
+from rlxrt.sessions import DraftModel, MtpHead, PromptLookup, Session
+from rlxrt.sessions.batch import Batch
+from rlxrt.sessions.fused import FusedKVModel
+from rlxrt.app.flags import head_dir
+from rlxrt.app.reference import reference_pair
+
+TARGET, DRAFT = (str(p) for p in reference_pair())
+HEAD = str(head_dir(None, None))
+
+CFG = Config(intra_op_threads=1, cache=False, cpu_kernels="rlxrt")
+CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef add(a, b):\n    return"
+
+
+def _script(rng, prompt_len: int, vocab: int):
+    """A prompt and four calls after it, each kept to a random length (a rollback of its own)."""
+    prompt = rng.integers(3, vocab, prompt_len)
+    calls, length = [], prompt_len
+    for k in (1, 4, 6, 3):
+        fed = rng.integers(3, vocab, k)
+        length += int(rng.integers(1, k + 1))
+        calls.append((fed, length))
+    return prompt, calls
+
+
+def _play(model, prompt, calls) -> list[np.ndarray]:
+    model.reset()
+    out = [model.forward(prompt, rows=1).copy()]
+    for fed, keep in calls:
+        out.append(model.forward(fed).copy())
+        model.commit(keep)
+    return out
+
+
+def _batched_equals_lone(target, slots: int, chunk: int, lengths) -> None:
+    lone = FusedKVModel(compile(target, CFG))
+    batch = Batch(target, CFG, slots=slots, chunk=chunk, calibrate=False, gather_seconds=30.0)  # steps wait for all
+    rng = np.random.default_rng(7)
+    scripts = [_script(rng, n, lone.vocab_size) for n in lengths]
+    expected = [_play(lone, *s) for s in scripts]
+    got: dict[int, list] = {}
+
+    ready = threading.Barrier(len(scripts))
+
+    def run(i):
+        slot = batch.slot()
+        slot.reset()  # in a request: steps wait for it
+        ready.wait()
+        got[i] = _play(slot, *scripts[i])
+        batch.release(slot)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(scripts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, want in enumerate(expected):
+        assert len(got[i]) == len(want)
+        for a, b in zip(got[i], want):
+            assert a.shape == b.shape and np.array_equal(a, b), f"sequence {i} differs from its lone run"
+    assert batch.steps < sum(len(s[1]) + 1 + len(s[0]) // chunk for s in scripts)  # calls really shared steps
+
+
+def test_batched_graph_equals_lone_runs_on_the_shipped_target():
+    _batched_equals_lone(TARGET, slots=4, chunk=8, lengths=(5, 30, 17, 1))
+
+
+@pytest.mark.parametrize("family, kwargs", [("llama", {}), ("qwen3", {}), ("mistral", {"greedy_head": True}),
+                                            ("llama", {"quantize": "int4"}), ("llama", {"quantize": "int8"})])
+def test_batched_graph_equals_lone_runs_on_every_fused_kind(exported, family, kwargs):
+    _batched_equals_lone(exported(family, graph="fused", **kwargs), slots=3, chunk=4, lengths=(9, 2, 13))
+
+
+def test_sessions_joining_and_leaving_equal_their_lone_runs():
+    """Eight Sessions of every speculator on one Batch, started at staggered times so that requests join and
+    leave while others decode, two requests each; greedy and seeded sampled output equal the lone run's."""
+    batch = Batch(TARGET, CFG, slots=8, chunk=16)
+    makers = [lambda: None, PromptLookup, lambda: DraftModel(DRAFT, CFG), lambda: MtpHead(HEAD, CFG)]
+    requests = [(CODE + " " * i, dict(max_new_tokens=24 + 8 * (i % 3), ignore_eos=True,
+                                     **({"temperature": 0.8, "seed": i} if i % 2 else {}))) for i in range(8)]
+    lone = {}
+    for i, (prompt, kw) in enumerate(requests):
+        lone[i] = Session(TARGET, makers[i % 4](), CFG).generate(prompt, **kw).token_ids
+    got, errors = {}, []
+    start = [threading.Event() for _ in requests]
+
+    def run(i):
+        try:
+            session = Session(batch, makers[i % 4](), CFG)
+            start[i].wait()
+            for _ in range(2):  # the slot serves a second request after the first
+                got[i] = session.generate(requests[i][0], **requests[i][1]).token_ids
+            if i + 1 < len(start):
+                start[i + 1].set()
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    start[0].set()
+    for i in range(1, len(start), 2):  # odd requests join early, beside the running ones
+        start[i].set()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert {i: got[i] for i in lone} == lone
+
+
+def test_batched_sampling_follows_the_target(exported):
+    """Sampled speculative rounds in batched steps, beside other sequences: the first two tokens' chi-square."""
+    target = exported("llama", graph="fused")
+    batch = Batch(target, CFG, slots=2)
+    params = SamplingParams(1.0, 0, 1.0)
+    prompt = [5, 9, 14, 5, 9]
+    p1, p2 = two_token_marginals(FusedKVModel(compile(target, CFG)), prompt, params)
+    busy = threading.Event()
+
+    def neighbour():  # a plain sequence that keeps decoding in the other slot
+        s = Session(batch, None, CFG)
+        while not busy.is_set():
+            s.generate([3, 4, 5], max_new_tokens=8, ignore_eos=True)
+
+    t = threading.Thread(target=neighbour)
+    t.start()
+    try:
+        session = Session(batch, DraftModel(exported("llama", seed=1, graph="fused"), CFG), CFG, k=3)
+        assert_first_two_tokens_follow(session, prompt, p1, p2, draws=600)
+    finally:
+        busy.set()
+        t.join()
+
+
+def test_a_failed_step_fails_its_requests_and_the_batch_serves_on(monkeypatch):
+    batch = Batch(TARGET, CFG, slots=2, calibrate=False)
+    session = Session(batch, None, CFG)
+    before = session.generate(CODE, max_new_tokens=8).token_ids
+    real = batch.graph.session.run_with_iobinding
+
+    def fails(binding):
+        raise batch.graph.errors[0]("an injected failure")
+
+    monkeypatch.setattr(batch.graph.session, "run_with_iobinding", fails)
+    with pytest.raises(GenerationError, match="injected"):
+        session.generate(CODE, max_new_tokens=8)
+    monkeypatch.setattr(batch.graph.session, "run_with_iobinding", real)
+    assert session.generate(CODE, max_new_tokens=8).token_ids == before
+
+
+def test_a_slot_that_never_hands_in_does_not_stall_the_others():
+    batch = Batch(TARGET, CFG, slots=2, gather_seconds=0.05, calibrate=False)
+    held = Session(batch, None, CFG).stream(CODE, max_new_tokens=64)
+    next(held)  # in a request, never read again
+    try:
+        assert len(Session(batch, None, CFG).generate(CODE, max_new_tokens=16).token_ids) == 16
+    finally:
+        held.close()
+
+
+def test_slots_are_bounded_and_given_back():
+    batch = Batch(TARGET, CFG, slots=1, calibrate=False)
+    first = Session(batch, None, CFG)
+    with pytest.raises(GenerationError, match="slots"):
+        Session(batch, None, CFG)
+    del first
+    import gc
+
+    gc.collect()
+    Session(batch, None, CFG)  # the slot came back with the Session
+
+
+def test_what_cannot_batch_is_refused_with_the_fix(exported):
+    with pytest.raises(ProviderError, match="cpu_kernels = rlxrt"):
+        Batch(TARGET, Config(cache=False, cpu_kernels="ort"))
+    with pytest.raises(ProviderError, match="fused graph"):
+        Batch(exported("llama", graph="portable"), CFG)
+    with pytest.raises(ProviderError, match="float16"):
+        Batch(exported("llama", graph="fused", dtype="fp16"), CFG)

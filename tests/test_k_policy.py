@@ -1,0 +1,66 @@
+"""The batched k policy (sessions/k_policy.py) as a pure function of step costs and acceptances."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from rlxrt.sessions.k_policy import Sequence, StepCost, plan_ks
+
+
+def rate(cost: StepCost, seqs: list[Sequence], ks: list[int]) -> float:
+    earned = sum(sum(s.acceptance ** j for j in range(k + 1)) for s, k in zip(seqs, ks))
+    return earned / (cost(sum(1 + k for k in ks)) + sum(k * s.draft_seconds for s, k in zip(seqs, ks)))
+
+
+def test_step_cost_interpolates_extends_and_learns():
+    cost = StepCost({1: 2.0, 8: 3.0, 16: 5.0})
+    assert cost(1) == 2.0 and cost(16) == 5.0
+    assert cost(4) == pytest.approx(2.0 + 3 / 7)
+    assert cost(32) == pytest.approx(9.0)  # along the last segment
+    assert cost(0) == 2.0
+    cost.observe(8, 4.0)
+    assert cost(8) == pytest.approx(0.9 * 3.0 + 0.1 * 4.0)
+    cost.observe(64, 20.0)  # past the table: a new point
+    assert cost(64) == 20.0
+    with pytest.raises(ValueError):
+        StepCost({})
+
+
+def test_a_lone_sequence_on_a_flat_step_drafts_what_its_acceptance_pays_for():
+    flat = StepCost({1: 1.0, 64: 1.3})  # reading the weights bounds it: a row more is almost free
+    assert plan_ks(flat, [Sequence(0.9, 8)]) == [8]
+    assert plan_ks(flat, [Sequence(0.9, 3)]) == [3]  # never past its k
+    assert plan_ks(flat, [Sequence(0.0, 8)]) == [0]  # nothing accepted: plain steps
+    assert plan_ks(flat, [Sequence(0.9, 0)]) == [0]  # no speculator
+
+
+def test_under_load_drafting_falls_to_what_pays():
+    cost = StepCost({1: 1.0, 8: 1.2, 64: 8.0})  # flat to 8 rows, then a row costs ~0.12
+    one = plan_ks(cost, [Sequence(0.6, 8)])
+    many = plan_ks(cost, [Sequence(0.6, 8)] * 16)
+    assert sum(one) >= 3 and max(many) < max(one)
+    compute_bound = StepCost({1: 1.0, 2: 2.0})  # every row costs a whole step
+    assert plan_ks(compute_bound, [Sequence(0.6, 8)] * 4) == [0] * 4
+    assert plan_ks(cost, []) == []
+
+
+def test_expensive_drafts_draft_less():
+    cost = StepCost({1: 1.0, 64: 1.5})
+    cheap, dear = plan_ks(cost, [Sequence(0.7, 8, 0.0), Sequence(0.7, 8, 0.5)])
+    assert cheap > dear
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_plan_has_the_best_rate_of_every_choice(seed):
+    """Against exhaustive search over k <= 4 for three sequences, on random convex step costs."""
+    rng = np.random.default_rng(seed)
+    base, knee, slope = rng.uniform(0.5, 2), int(rng.integers(1, 12)), rng.uniform(0.01, 1.0)
+    cost = StepCost({r: base + slope * max(0, r - knee) for r in (1, knee, knee + 1, 16)})
+    seqs = [Sequence(float(rng.uniform(0, 1)), int(rng.integers(0, 5)), float(rng.uniform(0, 0.2)))
+            for _ in range(3)]
+    ks = plan_ks(cost, seqs)
+    best = max(rate(cost, seqs, list(c)) for c in itertools.product(*(range(s.k_max + 1) for s in seqs)))
+    assert all(0 <= k <= s.k_max for k, s in zip(ks, seqs))
+    assert rate(cost, seqs, ks) >= best * (1 - 1e-9)
