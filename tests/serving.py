@@ -51,10 +51,10 @@ class Running:
         self.thread.join(30)
 
 
-def options(target, speculator="none", draft=None, workers=2, **kw):
+def options(target, speculator="none", draft=None, workers=2, config=None, **kw):
     from rlxrt.app.serve.options import ServeOptions
 
-    config = Config(providers=("cpu",), intra_op_threads=1, cache=False)
+    config = config or Config(providers=("cpu",), intra_op_threads=1, cache=False)
     return ServeOptions(target=str(target), speculator=speculator, draft=str(draft) if draft else None,
                         config=config, workers=workers, model_name="m", **kw)
 

@@ -30,8 +30,9 @@ def chat_target(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def spec(chat_target):
-    """A speculative server (the shipped draft, k=4, 2 workers) on a target with a chat template."""
-    server = Running(options(chat_target, "draft", DRAFT))
+    """A speculative server (the shipped draft, k=4, 2 workers of the pool engine, whose Sessions decode as a
+    lone Session does: the stats compare too) on a target with a chat template."""
+    server = Running(options(chat_target, "draft", DRAFT, engine="pool"))
     yield server
     server.stop()
 

@@ -33,8 +33,9 @@ PROBE = ([{"role": "user", "content": "hi"}], [{"role": "system", "content": "hi
 class Server:
     """What the routes share: the pool, the served model's name, the metrics, the request timeout."""
 
-    def __init__(self, pool: Pool, model: str, metrics: Metrics, request_timeout: float, retry_after: int = 1):
-        self.pool, self.model, self.metrics = pool, model, metrics
+    def __init__(self, pool: Pool, model: str, metrics: Metrics, request_timeout: float, retry_after: int = 1,
+                 engine: str = "pool"):
+        self.pool, self.model, self.metrics, self.engine = pool, model, metrics, engine
         self.request_timeout, self.retry_after = request_timeout, retry_after
         s = pool.session
         self.session = s

@@ -9,13 +9,20 @@ from rlxrt.errors import InputError, MissingDependencyError, UsageError
 from ..speculators import KINDS as SPECULATORS
 from ..speculators import model_of
 
+BATCH_WORKERS = 16
+"""Sequences a batch engine decodes at once when --workers is not given."""
+
 
 def add_serve_commands(add, runtime_flags) -> None:
     p = add("serve", cmd_serve, "serve a model over an OpenAI-compatible HTTP API (completions, chat, streaming, "
                                 "metrics) with speculative decoding; no model flags: the shipped pair")
     model_flags(p)
-    p.add_argument("--workers", type=int, help="Sessions serving requests in parallel (default: the CPU count, "
-                                               "at most 8)")
+    p.add_argument("--engine", choices=["auto", "batch", "pool"], default="auto",
+                   help="batch: one batched step decodes every request in flight (continuous batching; a fused "
+                        "target on rlxrt's CPU kernels); pool: each worker decodes its request alone; auto "
+                        "(default): batch where the target can")
+    p.add_argument("--workers", type=int, help="requests decoded at once: the batch's sequences (default 16) or "
+                                               "the pool's Sessions (default: the CPU count, at most 8)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a worker before 429 (default 64)")
@@ -85,7 +92,7 @@ def options_from(args: argparse.Namespace, workers: int, config):
     k = args.k if args.k is not None else SERVE_MODEL_K if model_of(speculator) else None
     return ServeOptions(target=target, speculator=speculator, draft=helper, k=k, config=config,
                         min_prob=args.min_draft_prob, adaptive_k=args.adaptive_k, workers=workers,
-                        max_queue=args.max_queue,
+                        max_queue=args.max_queue, engine=getattr(args, "engine", "auto"),
                         request_timeout=args.request_timeout, model_name=name)
 
 
@@ -105,14 +112,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     for module in ("fastapi", "uvicorn", "prometheus_client"):
         _require(module, "serve")
-    workers = args.workers if args.workers is not None else min(8, os.cpu_count() or 1)
+    workers = args.workers if args.workers is not None else \
+        min(8, os.cpu_count() or 1) if args.engine == "pool" else BATCH_WORKERS
     if not 1 <= workers <= 256:
         raise InputError(f"--workers must be in 1..256, got {workers}")
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port must be in 0..65535, got {args.port}")
     if not (math.isfinite(args.request_timeout) and args.request_timeout > 0):
         raise InputError(f"--request-timeout must be a positive number of seconds, got {args.request_timeout}")
-    opts = options_from(args, workers, config_of(args, intra_op_threads=default_threads(workers)))
+    opts = options_from(args, workers, config_of(args, intra_op_threads=default_threads(workers, args.engine)))
     if args.ray:
         _require("ray", "ray")
         if args.replicas < 1:

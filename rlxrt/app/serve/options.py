@@ -11,6 +11,7 @@ from rlxrt.errors import InputError, UsageError
 
 from ..speculators import KINDS as SPECULATORS
 from ..speculators import model_of
+ENGINES = ("auto", "batch", "pool")
 SERVE_MODEL_K = 2
 """Draft length of a served draft model or head when -k is not given. Under load every rejected drafted token
 costs worker time another request could use, so a server drafts less than one stream alone would (measured:
@@ -33,7 +34,11 @@ class ServeOptions:
     adaptive_k: bool = False
     """Each worker's Session picks every round's k in 1..2k from what its rounds cost and earn."""
     workers: int = 1
-    """Sessions (and worker threads) of one server or replica."""
+    """Sessions (and worker threads) of one server or replica: under the batch engine, the sequences its steps
+    decode at once (the slots of its KV buffers)."""
+    engine: str = "auto"
+    """batch (every worker's Session a slot of one batched graph: ``sessions/batch.py``), pool (each worker's
+    Session decodes alone) or auto (batch where the target can, else pool)."""
     max_queue: int = 64
     """Requests admitted beyond the busy workers before 429."""
     request_timeout: float = 600.0
@@ -54,6 +59,8 @@ class ServeOptions:
         if self.adaptive_k and self.speculator == "none":
             raise UsageError("--adaptive-k needs a speculator (--draft, --head or --speculator prompt-lookup); plain "
                              "decoding drafts nothing")
+        if self.engine not in ENGINES:
+            raise UsageError(f"--engine {self.engine!r} is unknown; use one of {', '.join(ENGINES)}")
         if not 1 <= self.workers <= 256:
             raise InputError(f"--workers must be in 1..256, got {self.workers}")
         if not 0 <= self.max_queue <= 1_000_000:
@@ -66,13 +73,13 @@ class ServeOptions:
         return self.model_name or Path(self.target).resolve().name
 
 
-def default_threads(workers: int) -> int:
-    """Intra-op threads per worker: the cores shared out among the workers (at least 1)."""
-    return max(1, (os.cpu_count() or 1) // workers)
+def default_threads(workers: int, engine: str = "pool") -> int:
+    """Intra-op threads per worker: the cores shared out among the pool's workers (at least 1); every core for
+    a batch's steps, which run one at a time."""
+    return (os.cpu_count() or 1) if engine != "pool" else max(1, (os.cpu_count() or 1) // workers)
 
 
 def make_server(opts: ServeOptions):
-    from rlxrt.backends import compile
     from rlxrt.sessions import Session
 
     from ..speculators import build
@@ -82,14 +89,46 @@ def make_server(opts: ServeOptions):
     from .pool import Pool
 
     config = opts.config
-    target = compile(opts.target, config)
-    helper = compile(opts.draft, config) if model_of(opts.speculator) else None
+    target, engine = _target(opts)
+    helper = _helper(opts, engine)
 
     def make_session():
-        return Session(target, build(opts.speculator, helper, config, opts.min_prob), config, k=opts.k,
-                       adaptive_k=opts.adaptive_k)
+        return Session(target, build(opts.speculator, helper, helper.config if helper else config, opts.min_prob),
+                       config, k=opts.k, adaptive_k=opts.adaptive_k)
 
     holder = {}
     metrics = Metrics(opts.name, lambda: holder["pool"])
     pool = holder["pool"] = Pool(make_session, opts.workers, opts.max_queue, metrics.record)
-    return Server(pool, opts.name, metrics, opts.request_timeout)
+    return Server(pool, opts.name, metrics, opts.request_timeout, engine=engine)
+
+
+def _target(opts: ServeOptions):
+    """(the target every Session decodes on, the engine): a Batch of ``workers`` slots, or the compiled graph
+    the pool's Sessions share; ``auto`` takes the batch where the target can be batched and says why not else."""
+    import logging
+
+    from rlxrt.backends import compile
+    from rlxrt.errors import ProviderError
+    from rlxrt.sessions.batch import Batch
+
+    if opts.engine != "pool":
+        try:
+            return Batch(opts.target, opts.config, slots=opts.workers), "batch"
+        except ProviderError as exc:
+            if opts.engine == "batch":
+                raise
+            logging.getLogger("rlxrt.serve").warning("serving with the pool engine: %s", exc)
+    return compile(opts.target, opts.config), "pool"
+
+
+def _helper(opts: ServeOptions, engine: str):
+    """The draft model or head graph; under the batch engine with one intra-op thread (each Session drafts on its
+    own thread, beside the others)."""
+    import dataclasses
+
+    from rlxrt.backends import compile
+
+    if not model_of(opts.speculator):
+        return None
+    config = dataclasses.replace(opts.config, intra_op_threads=1) if engine == "batch" else opts.config
+    return compile(opts.draft, config)

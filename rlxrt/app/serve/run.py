@@ -18,8 +18,10 @@ def serve_uvicorn(opts: ServeOptions, host: str, port: int, log_level: str = "in
     server = make_server(opts)
     spec = server.session.speculator_name
     port = sock.getsockname()[1]
-    print(f"rlxrt: serving {server.model!r} on http://{host}:{port}/v1 ({opts.workers} worker(s), speculator "
-          f"{spec}, providers {', '.join(server.session.target.providers)})", file=sys.stderr, flush=True)
+    how = f"batch engine, {opts.workers} sequences a step" if server.engine == "batch" else \
+        f"pool engine, {opts.workers} worker(s)"
+    print(f"rlxrt: serving {server.model!r} on http://{host}:{port}/v1 ({how}, speculator {spec}, providers "
+          f"{', '.join(server.session.target.providers)})", file=sys.stderr, flush=True)
     config = uvicorn.Config(build_app(server), log_level=log_level, timeout_graceful_shutdown=graceful_seconds
                             if graceful_seconds is not None else opts.request_timeout)
     uvicorn.Server(config).run(sockets=[sock])

@@ -1,0 +1,68 @@
+"""The server on the batch engine (``--engine batch``): every request in flight is decoded in one batched step,
+and none of them can tell: 64 concurrent mixed requests (greedy and seeded sampled, streamed or not, of
+different lengths) each equal the same request sent alone, and greedy ones equal plain greedy decoding."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("openai")
+
+from serving import Running, options  # noqa: E402
+
+from rlxrt.app.reference import reference_pair, reference_prompts  # noqa: E402
+from rlxrt.config import Config  # noqa: E402
+from rlxrt.sessions import Session  # noqa: E402
+
+TARGET, DRAFT = reference_pair()
+PROMPTS = reference_prompts()
+
+
+def _ask(client, prompt: str, n: int, temperature: float, seed: int | None, stream: bool) -> str:
+    kw = dict(model="m", prompt=prompt, max_tokens=n, temperature=temperature, extra_body={"ignore_eos": True},
+              **({"seed": seed} if seed is not None else {}))
+    if stream:
+        return "".join(ch.choices[0].text for ch in client.completions.create(stream=True, **kw))
+    return client.completions.create(**kw).choices[0].text
+
+
+@pytest.mark.parametrize("speculator, draft", [("lookup+draft", DRAFT), ("none", None)])
+def test_64_concurrent_mixed_requests_equal_each_alone(speculator, draft):
+    server = Running(options(TARGET, speculator, draft, workers=8, engine="batch",
+                             adaptive_k=speculator != "none"))
+    try:
+        assert server.server.engine == "batch"
+        c = server.client()
+        requests = [(PROMPTS[i % len(PROMPTS)], 8 + 5 * (i % 9), 0.0 if i % 3 else 0.9, None if i % 3 else 500 + i,
+                     bool(i % 2)) for i in range(64)]
+        alone = [_ask(c, *r) for r in requests]
+        out: list = [None] * 64
+
+        def one(i):
+            out[i] = _ask(server.client(), *requests[i])
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(64)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert out == alone
+        plain = Session(TARGET, None, Config(intra_op_threads=1, cache=False, cpu_kernels="ort"))
+        for (prompt, n, temperature, _, _), text in list(zip(requests, alone))[1:12:3]:  # greedy ones
+            assert temperature == 0.0
+            assert text == plain.generate(prompt, max_new_tokens=n, ignore_eos=True).text
+    finally:
+        server.stop()
+
+
+def test_auto_engine_falls_back_to_the_pool_where_the_target_cannot_batch(caplog):
+    server = Running(options(TARGET, config=Config(providers=("cpu",), intra_op_threads=1, cache=False,
+                                                   cpu_kernels="ort")))
+    try:
+        assert server.server.engine == "pool"
+        assert "cpu_kernels = rlxrt" in caplog.text
+        assert server.client().completions.create(model="m", prompt="x", max_tokens=3).usage.completion_tokens == 3
+    finally:
+        server.stop()
