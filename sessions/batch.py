@@ -41,6 +41,10 @@ is not read) before it runs without it."""
 PRIOR_ACCEPTANCE = 0.5
 ACCEPTANCE_DECAY = 0.9
 CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+CALIBRATION_REPEATS = 5
+ACCEPTANCE_DRIFT = 0.02
+"""How far a slot's acceptance estimate moves back to the prior in a round that drafted nothing: a sequence whose
+drafts stopped paying is tried again, and its estimate refreshed."""
 
 
 class Batch:
@@ -81,6 +85,8 @@ class Batch:
         self._logits = np.zeros((1, self.slots * (K_MAX + 1), self.vocab), np.float32)
         self._hidden: np.ndarray | None = None
         self._values: dict[tuple[str, int], object] = {}  # an OrtValue per (array, length): made once
+        self._bound: tuple | None = None  # the lengths the binding holds: bound again only when they change
+        self._positions = np.arange(rows_max, dtype=np.int64)
         self._ort = ort
         self._cond = threading.Condition()
         self._free = list(range(self.slots))
@@ -161,7 +167,7 @@ class Batch:
             want = min(s.want, count) if last else 0
             self._ids[0, t:t + count] = s.pending[s.fed:s.fed + count]
             self._seqs[n] = (s.index, s.length, count)
-            self._rows[r:r + want] = np.arange(t + count - want, t + count)
+            self._rows[r:r + want] = self._positions[t + count - want:t + count]
             parts.append((s, t, count, r, want, last))
             t, r = t + count, r + want
         self._running = True
@@ -189,7 +195,8 @@ class Batch:
         if error is None:
             self.steps += 1
             self.cost.observe(t, seconds)
-            self._replan()
+            if len(parts) > 1:  # a lone sequence drafts as its Session would (k_for)
+                self._replan()
         self._cond.notify_all()
 
     def _value(self, name: str, array: np.ndarray, n: int):
@@ -200,12 +207,14 @@ class Batch:
 
     def _run(self, tokens: int, sequences: int, rows: int) -> float:
         b = self._binding
-        b.bind_ortvalue_input(self._ids_name, self._value("ids", self._ids[:, :tokens], tokens))
-        b.bind_ortvalue_input("sequences", self._value("seqs", self._seqs[:sequences], sequences))
-        b.bind_ortvalue_input("logit_rows", self._value("rows", self._rows[:rows], rows))
-        b.bind_ortvalue_output(self._logits_name, self._value("logits", self._logits[:, :rows], rows))
-        if self._hidden is not None:
-            b.bind_ortvalue_output(self._hidden_name, self._value("hidden", self._hidden[:, :tokens], tokens))
+        if self._bound != (tokens, sequences, rows, self._hidden is not None):  # the arrays are written in place
+            b.bind_ortvalue_input(self._ids_name, self._value("ids", self._ids[:, :tokens], tokens))
+            b.bind_ortvalue_input("sequences", self._value("seqs", self._seqs[:sequences], sequences))
+            b.bind_ortvalue_input("logit_rows", self._value("rows", self._rows[:rows], rows))
+            b.bind_ortvalue_output(self._logits_name, self._value("logits", self._logits[:, :rows], rows))
+            if self._hidden is not None:
+                b.bind_ortvalue_output(self._hidden_name, self._value("hidden", self._hidden[:, :tokens], tokens))
+            self._bound = (tokens, sequences, rows, self._hidden is not None)
         t0 = time.perf_counter()
         try:
             self.graph.session.run_with_iobinding(b)
@@ -217,15 +226,20 @@ class Batch:
         return seconds
 
     def _calibrate(self) -> dict[int, float]:
-        """Seconds of a step of R rows for R in CALIBRATION_ROWS (up to what a step can hold), the median of 3,
-        measured on slot 0 before any request (what it writes is overwritten by the first prefill)."""
-        points = {}
-        for rows in (r for r in CALIBRATION_ROWS if r <= min(self.width, self.capacity)):
-            self._ids[0, :rows] = 0
-            self._seqs[0] = (0, 0, rows)
-            self._rows[0] = rows - 1
-            points[rows] = float(np.median([self._run(rows, 1, 1) for _ in range(3)]))
-        return points
+        """Seconds of a step of R rows for R in CALIBRATION_ROWS (up to what a step can hold): after a warm-up,
+        the median of CALIBRATION_REPEATS passes over all of them in turn, measured on slot 0 before any request
+        (what it writes is overwritten by the first prefill)."""
+        sizes = [r for r in CALIBRATION_ROWS if r <= min(self.width, self.capacity)]
+        times: dict[int, list[float]] = {r: [] for r in sizes}
+        for repeat in range(CALIBRATION_REPEATS + 1):
+            for rows in sizes:
+                self._ids[0, :rows] = 0
+                self._seqs[0] = (0, 0, rows)
+                self._rows[0] = rows - 1
+                seconds = self._run(rows, 1, 1)
+                if repeat:  # the first pass warms up
+                    times[rows].append(seconds)
+        return {r: float(np.median(t)) for r, t in times.items()}
 
     def _replan(self) -> None:
         """Every drafting slot's k for its next round (``k_policy.plan_ks``), from the step cost and acceptances."""
@@ -234,7 +248,10 @@ class Batch:
         self._plan = {s.index: (k, s.k_wanted) for s, k in zip(active, plan)}
 
     def k_for(self, slot: "Slot") -> int:
-        """The planned k of ``slot`` (planned again when it wants another k than the plan assumed)."""
+        """The planned k of ``slot`` (planned again when it wants another k than the plan assumed); a lone
+        sequence drafts what its Session would draft alone."""
+        if sum(s.active for s in self._all) <= 1:
+            return slot.k_wanted
         k, wanted = self._plan.get(slot.index, (0, -1))
         if wanted != slot.k_wanted:
             self._replan()
@@ -327,6 +344,7 @@ class Slot(GraphModel):
     def observe(self, drafted: int, accepted: int, draft_seconds: float) -> None:
         """A round's result: the acceptance and drafting cost the batch plans with."""
         if drafted <= 0:
+            self.acceptance += ACCEPTANCE_DRIFT * (PRIOR_ACCEPTANCE - self.acceptance)
             return
         rate = accepted / min(drafted, accepted + 1)  # of the positions reached (a rejection ends the round)
         self.acceptance = ACCEPTANCE_DECAY * self.acceptance + (1 - ACCEPTANCE_DECAY) * rate

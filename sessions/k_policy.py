@@ -39,6 +39,12 @@ class StepCost:
             raise ValueError(f"a step cost needs positive times at row counts >= 1, got {points}")
         self.rows = sorted(points)
         self.seconds = [float(points[r]) for r in self.rows]
+        self._monotone()
+
+    def _monotone(self) -> None:
+        """A step of more rows never costs less than one of fewer (what says otherwise is timing noise)."""
+        for i in range(1, len(self.seconds)):
+            self.seconds[i] = max(self.seconds[i], self.seconds[i - 1])
 
     def __call__(self, rows: int) -> float:
         r, t = self.rows, self.seconds
@@ -59,6 +65,7 @@ class StepCost:
         elif rows > self.rows[-1]:
             self.rows.append(rows)
             self.seconds.append(seconds)
+        self._monotone()
 
 
 @dataclass

@@ -32,9 +32,13 @@ def add_bench_serve(add, model_flags) -> None:
                                             "concurrencies (tokens/s, time to first token, latency p50/p95), or "
                                             "a soak run (--soak N)")
     model_flags(p)
-    p.add_argument("--workers", type=int, default=2, help="workers of each server (default 2)")
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads per worker (default 1)")
-    p.add_argument("--concurrency", default="1,2,4,8", help="concurrent clients to try (default 1,2,4,8)")
+    p.add_argument("--engines", default="pool,batch",
+                   help="serving engines to compare, each plain and speculative (default pool,batch)")
+    p.add_argument("--workers", type=int, default=2, help="workers of each pool server (default 2)")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per pool worker (default 1); a batch "
+                                                         "server's step takes every core")
+    p.add_argument("--concurrency", default="1,2,4,8,16", help="concurrent clients to try (default 1,2,4,8,16); a "
+                                                               "batch server decodes as many at once as the most")
     p.add_argument("--requests", type=int, default=16, help="requests per measurement (default 16)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per request (EOS ignored; default 128)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
@@ -164,12 +168,13 @@ def _measure(results: list[Result], wall: float) -> dict[str, float]:
 
 
 # -- the command ------------------------------------------------------------------------------------------------
-def _server_flags(args: argparse.Namespace, k: int | None,
-                  adaptive: bool | None = None) -> tuple[list[str], list[str], str]:
+def _server_flags(args: argparse.Namespace, k: int | None, adaptive: bool | None = None,
+                  engine: str = "pool", slots: int = 16) -> tuple[list[str], list[str], str]:
     """(plain flags, speculative flags, speculator name) for draft length ``k`` (the start of an adaptive k
-    when ``adaptive``, default ``--adaptive-k``)."""
-    base = ["--workers", str(args.workers), "--threads", str(args.threads), "--max-queue", "1024",
-            "--model-name", "m", "--log-level", "error"]
+    when ``adaptive``, default ``--adaptive-k``) on ``engine`` (a batch of ``slots`` sequences)."""
+    sizes = ["--workers", str(args.workers), "--threads", str(args.threads)] if engine == "pool" else \
+        ["--workers", str(slots), "--threads", str(os.cpu_count() or 1)]
+    base = ["--engine", engine, *sizes, "--max-queue", "1024", "--model-name", "m", "--log-level", "error"]
     model = ["--target", args.target] if args.target else []
     spec = list(model)
     if args.draft:
@@ -216,7 +221,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--ks must be comma-separated integers, got {args.ks!r}") from None
     if any(k is not None and not 1 <= k <= 32 for k in ks):
         raise InputError(f"draft lengths must be in 1..32, got {args.ks or args.k}")
-    plain_flags, spec_flags, name = _server_flags(args, ks[0])
+    engines = [e for e in args.engines.split(",") if e]
+    if not engines or any(e not in ("pool", "batch") for e in engines):
+        raise UsageError(f"--engines takes pool and/or batch, comma-separated; got {args.engines!r}")
+    _, spec_flags, name = _server_flags(args, ks[0], engine=engines[-1], slots=max(levels))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.soak:
@@ -229,18 +237,19 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         return 0 if report["mismatches"] == 0 and report["errors"] == 0 else 1
     servers = {}
     try:
-        servers["plain"] = ServerProcess(plain_flags, "plain")
-        for k in ks:  # with --adaptive-k, an adaptive server beside each fixed one
-            label = f"{name} k={k or (2 if name in ('draft', 'mtp') else 4)}"
-            servers[label] = ServerProcess(_server_flags(args, k, adaptive=False)[1], label)
-            if args.adaptive_k:
-                servers[f"{label} adaptive"] = ServerProcess(_server_flags(args, k, adaptive=True)[1],
-                                                             f"{label} adaptive")
-        for s in servers.values():
-            s.wait_ready()
+        for engine in engines:
+            flags = lambda k, adaptive=None: _server_flags(args, k, adaptive, engine, max(levels))  # noqa: E731
+            servers[f"{engine} plain"] = ServerProcess(flags(ks[0])[0], f"{engine} plain")
+            for k in ks:  # with --adaptive-k, an adaptive server beside each fixed one
+                label = f"{engine} {name} k={k or (2 if name in ('draft', 'mtp') else 4)}"
+                servers[label] = ServerProcess(flags(k, False)[1], label)
+                if args.adaptive_k:
+                    servers[f"{label} adaptive"] = ServerProcess(flags(k, True)[1], f"{label} adaptive")
+            for s in servers.values():  # one engine's servers load at a time: the cores are few
+                s.wait_ready()
         runs: dict[str, dict[int, list[dict]]] = {k: {c: [] for c in levels} for k in servers}
         for s in servers.values():  # warm-up: first runs of each graph
-            asyncio.run(run_batch(s.url, _bodies(prompts, 2 * args.workers, 16), 2 * args.workers))
+            asyncio.run(run_batch(s.url, _bodies(prompts, 2 * max(levels), 16), max(levels)))
         for rep in range(args.repeats):
             for c in levels:
                 order = list(servers.items()) if rep % 2 == 0 else list(reversed(servers.items()))
@@ -267,11 +276,15 @@ def _report(args, levels, runs, name, ks) -> dict[str, Any]:
     rows = {}
     for label, per in runs.items():
         rows[label] = {str(c): {k: round(median(r[k] for r in per[c]), 4) for k in per[c][0]} for c in levels}
+    first = next(iter(rows))  # the first engine's plain server: the baseline
     for label in rows:
+        plain = f"{label.split()[0]} plain"
         for c in levels:
-            rows[label][str(c)]["speedup"] = round(rows[label][str(c)]["tokens_per_second"] /
-                                                   rows["plain"][str(c)]["tokens_per_second"], 3)
-    return {"config": {"workers": args.workers, "threads_per_worker": args.threads, "requests": args.requests,
+            row = rows[label][str(c)]
+            row["speedup"] = round(row["tokens_per_second"] / rows[first][str(c)]["tokens_per_second"], 3)
+            row["vs_plain"] = round(row["tokens_per_second"] / rows[plain][str(c)]["tokens_per_second"], 3)
+    return {"config": {"engines": args.engines, "baseline": first, "batch_sequences": max(levels),
+                       "workers": args.workers, "threads_per_worker": args.threads, "requests": args.requests,
                        "max_tokens": args.max_tokens, "repeats": args.repeats, "cpu_count": os.cpu_count(),
                        "target": args.target or "shipped reference target", "speculator": name,
                        "ks": [k or (2 if model_of(name) else 4) for k in ks], "adaptive_k": args.adaptive_k},
@@ -280,11 +293,13 @@ def _report(args, levels, runs, name, ks) -> dict[str, Any]:
 
 def format_table(report: dict[str, Any]) -> str:
     rows = report["rows"]
-    lines = ["| server | clients | tok/s | speedup | TTFT p50 / p95 (ms) | latency p50 / p95 (s) | acceptance |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    base = report["config"].get("baseline", "plain")
+    lines = [f"| server | clients | tok/s | vs {base} | vs its engine's plain | TTFT p50 / p95 (ms) | "
+             "latency p50 / p95 (s) | acceptance |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for label, per in rows.items():
         for c, r in per.items():
             lines.append(f"| {label} | {c} | {r['tokens_per_second']:.0f} | {r.get('speedup', 1.0):.2f}x | "
+                         f"{r.get('vs_plain', 1.0):.2f}x | "
                          f"{1000 * r['ttft_p50']:.0f} / {1000 * r['ttft_p95']:.0f} | "
                          f"{r['latency_p50']:.2f} / {r['latency_p95']:.2f} | {r['acceptance_rate']:.2f} |")
     return "\n".join(lines)
@@ -309,7 +324,8 @@ def _chart(report: dict[str, Any], path: Path) -> None:
         ax.legend(fontsize=8)
         ax.set_ylim(bottom=0)
     cfg = report["config"]
-    fig.suptitle(f"rlxrt bench-serve: {cfg['workers']} workers x {cfg['threads_per_worker']} thread(s), "
+    fig.suptitle(f"rlxrt bench-serve: pool {cfg['workers']} workers x {cfg['threads_per_worker']} thread(s), "
+                 f"batch {cfg.get('batch_sequences', '-')} sequences; "
                  f"{cfg['requests']} requests x {cfg['max_tokens']} tokens, medians of {cfg['repeats']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
