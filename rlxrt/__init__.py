@@ -24,6 +24,7 @@ _LAZY = {
     "CompiledGraph": ("rlxrt.backends", "CompiledGraph"),
     "export": ("rlxrt.app.api", "export"),
     "Session": ("rlxrt.sessions", "Session"),
+    "Batch": ("rlxrt.sessions", "Batch"),
     "Generation": ("rlxrt.sessions", "Generation"),
     "DraftModel": ("rlxrt.sessions", "DraftModel"),
     "PromptLookup": ("rlxrt.sessions", "PromptLookup"),

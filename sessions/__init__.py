@@ -1,4 +1,5 @@
 """rlxrt.sessions: the Session, KV caches, the decode loop, one file per speculator."""
+from .batch import Batch
 from .cascade import Cascade
 from .draft_model import DraftModel
 from .kv import KVModel
@@ -7,4 +8,4 @@ from .prompt_lookup import PromptLookup
 from .session import Generation, Session
 from .state import StateModel, decoder_for
 
-__all__ = ["Cascade", "DraftModel", "Generation", "KVModel", "MtpHead", "PromptLookup", "Session", "StateModel", "decoder_for"]
+__all__ = ["Batch", "Cascade", "DraftModel", "Generation", "KVModel", "MtpHead", "PromptLookup", "Session", "StateModel", "decoder_for"]

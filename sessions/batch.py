@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 
 import numpy as np
 
@@ -35,13 +36,15 @@ from .kv import GraphModel
 
 CHUNK = 32
 """Prompt tokens a slot feeds a step by default."""
-GATHER_SECONDS = 0.05
+GATHER_SECONDS = 0.2
 """The longest a step waits for a slot in a request to hand in its tokens (one that never does: a stream that
 is not read) before it runs without it."""
 PRIOR_ACCEPTANCE = 0.5
 ACCEPTANCE_DECAY = 0.9
 CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 CALIBRATION_REPEATS = 5
+DRAFT_WINDOW = 8
+"""Rounds a slot's drafting cost is the median of."""
 ACCEPTANCE_DRIFT = 0.02
 """How far a slot's acceptance estimate moves back to the prior in a round that drafted nothing: a sequence whose
 drafts stopped paying is tried again, and its estimate refreshed."""
@@ -94,6 +97,9 @@ class Batch:
         self._running = False
         self.steps = 0
         self.run_seconds = 0.0
+        self.draft_costs: deque[float] = deque(maxlen=DRAFT_WINDOW * 8)
+        """Seconds of drafting one token in every slot's last rounds (a slot that has not drafted yet is planned
+        with their median)."""
         self.cost = StepCost({1: 1.0})
         if calibrate:
             self.cost = StepCost(self._calibrate())
@@ -137,14 +143,21 @@ class Batch:
         with self._cond:
             slot.pending, slot.fed, slot.want, slot.error = tokens, 0, rows, None
             slot.since = time.perf_counter()
+            slot.between = slot.since - slot.released  # its own work since its last step: drafting, accepting
             self._cond.notify_all()
             while slot.pending is not None:
-                if not self._running and self._ready():
+                if self._running:  # the step's end wakes every waiter
+                    self._cond.wait()
+                elif self._ready():
                     self._step()
-                else:
-                    self._cond.wait(self.gather_seconds / 4)
+                else:  # until a hand-in, an idle slot, or the gathering time is up
+                    self._cond.wait(max(self._gather_left(), 0.001))
             if slot.error is not None:
                 raise slot.error
+
+    def _gather_left(self) -> float:
+        waiting = [s.since for s in self._all if s.pending is not None]
+        return self.gather_seconds - (time.perf_counter() - min(waiting)) if waiting else self.gather_seconds
 
     def _ready(self) -> bool:
         """Whether a step may start: every slot in a request has handed in, or one has waited long enough."""
@@ -191,7 +204,7 @@ class Batch:
             s.fed += count
             if last:
                 s.deliver(self._logits[0, r0:r0 + want])
-                s.pending = None
+                s.pending, s.released = None, time.perf_counter()
         if error is None:
             self.steps += 1
             self.cost.observe(t, seconds)
@@ -244,7 +257,9 @@ class Batch:
     def _replan(self) -> None:
         """Every drafting slot's k for its next round (``k_policy.plan_ks``), from the step cost and acceptances."""
         active = [s for s in self._all if s.active]
-        plan = plan_ks(self.cost, [Sequence(s.acceptance, s.k_wanted, s.draft_seconds) for s in active])
+        everyone = _median(self.draft_costs)
+        plan = plan_ks(self.cost, [Sequence(s.acceptance, s.k_wanted, _median(s.draft_costs) if s.draft_costs
+                                            else everyone) for s in active])
         self._plan = {s.index: (k, s.k_wanted) for s, k in zip(active, plan)}
 
     def k_for(self, slot: "Slot") -> int:
@@ -271,10 +286,17 @@ class Slot(GraphModel):
         self.max_positions = min(self.manifest.max_positions, batch.capacity)
         self.pending: np.ndarray | None = None
         self.fed = self.want = 0
-        self.since = 0.0
+        self.since = self.released = self.between = 0.0
+        self.base = 0.0
+        """Seconds between a step and this slot's next hand-in in a round that drafts nothing (running mean)."""
         self.error: Exception | None = None
         self.active = False
-        self.acceptance, self.draft_seconds = PRIOR_ACCEPTANCE, 0.0
+        self.acceptance = PRIOR_ACCEPTANCE
+        self.draft_costs: deque[float] = deque(maxlen=DRAFT_WINDOW)
+        """Seconds of drafting one token in this slot's last rounds that drafted after a round that drafted too
+        (the first after a pause also catches the speculator up on what it has not read: a head reads the prompt
+        at its first proposal); planned with their median."""
+        self._drafting = False
         self.k_wanted = 0
         """The k the Session would draft next round, before the batch's plan caps it."""
         self._logits = np.zeros((K_MAX + 1, self.logits_width), np.float32)
@@ -293,7 +315,7 @@ class Slot(GraphModel):
 
     def reset(self) -> None:
         with self.batch._cond:
-            self.length, self.hidden, self.active = 0, None, True
+            self.length, self.hidden, self.active, self._drafting = 0, None, True, False
 
     def idle(self) -> None:
         """The request ended: steps no longer wait for this slot."""
@@ -342,10 +364,24 @@ class Slot(GraphModel):
             return min(wanted, self.batch.k_for(self))
 
     def observe(self, drafted: int, accepted: int, draft_seconds: float) -> None:
-        """A round's result: the acceptance and drafting cost the batch plans with."""
+        """A round's result: the acceptance and the cost of drafting the batch plans with. The cost of a drafted
+        token is what drafting adds to the slot's time between its last step and this round's hand-in (the
+        steps wait for it): the proposal, and reading the verification's extra rows."""
         if drafted <= 0:
+            self.base = ACCEPTANCE_DECAY * self.base + (1 - ACCEPTANCE_DECAY) * self.between if self.base else \
+                self.between
             self.acceptance += ACCEPTANCE_DRIFT * (PRIOR_ACCEPTANCE - self.acceptance)
+            self._drafting = False
             return
         rate = accepted / min(drafted, accepted + 1)  # of the positions reached (a rejection ends the round)
-        self.acceptance = ACCEPTANCE_DECAY * self.acceptance + (1 - ACCEPTANCE_DECAY) * rate
-        self.draft_seconds = ACCEPTANCE_DECAY * self.draft_seconds + (1 - ACCEPTANCE_DECAY) * draft_seconds / drafted
+        with self.batch._cond:
+            self.acceptance = ACCEPTANCE_DECAY * self.acceptance + (1 - ACCEPTANCE_DECAY) * rate
+            if self._drafting:  # not the round that caught the speculator up after a pause
+                cost = max(self.between - self.base, draft_seconds) / drafted
+                self.draft_costs.append(cost)
+                self.batch.draft_costs.append(cost)
+            self._drafting = True
+
+
+def _median(values) -> float:
+    return float(np.median(values)) if values else 0.0

@@ -98,9 +98,11 @@ class MtpHead(ModelSpeculator):
             raise GenerationError(f"the MTP head needs the target's hidden states of the {read} prompt positions "
                                   f"before the pending token, got {None if h is None else len(h)} rows; bind the "
                                   "head to a Session whose target was exported with --with-hidden-states")
-        if read > 1:  # only the state (and the attention's cache) is kept; the head reads one position behind
-            self.model.forward(ctx.tokens[1:read], h[:read - 1, :self.width] if self.each else
-                               h[read - 2:read - 1, :self.width])
+        if self.each:  # read at the first propose, with the rows of the rounds before it: nothing is paid
+            self.last = h[:read, :self.width].copy() if read > 0 else None  # for a request that never drafts
+            return
+        if read > 1:  # only the state is kept; the head reads one position behind
+            self.model.forward(ctx.tokens[1:read], h[read - 2:read - 1, :self.width])
         self.last = h[read - 1:read, :self.width] if read > 0 else None
 
     def propose(self, ctx: Context, k: int) -> DraftProposal:

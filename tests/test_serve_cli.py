@@ -167,11 +167,13 @@ def test_bench_serve_and_soak_commands(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     report = json.loads((out / "bench-serve.json").read_text())
-    assert set(report["rows"]) == {"plain", "draft k=2", "draft k=2 adaptive"}
-    assert set(report["rows"]["plain"]) == {"1", "2"} and report["config"]["adaptive_k"] is True
-    assert report["rows"]["draft k=2 adaptive"]["2"]["tokens_per_second"] > 0
-    assert report["rows"]["draft k=2"]["2"]["tokens_per_second"] > 0 and (out / "bench-serve.png").stat().st_size
-    assert "| draft k=2 | 2 |" in run.stdout and "| draft k=2 adaptive | 2 |" in run.stdout
+    servers = {f"{e} {s}" for e in ("pool", "batch") for s in ("plain", "draft k=2", "draft k=2 adaptive")}
+    assert set(report["rows"]) == servers and report["config"]["baseline"] == "pool plain"
+    assert set(report["rows"]["pool plain"]) == {"1", "2"} and report["config"]["adaptive_k"] is True
+    for label in servers:
+        assert report["rows"][label]["2"]["tokens_per_second"] > 0
+    assert report["rows"]["batch plain"]["2"]["vs_plain"] == 1.0 and (out / "bench-serve.png").stat().st_size
+    assert "| batch draft k=2 | 2 |" in run.stdout and "| pool draft k=2 adaptive | 2 |" in run.stdout
     run = subprocess.run([sys.executable, "-m", "rlxrt", "bench-serve", "--soak", "24", "--concurrency", "4",
                           "--max-tokens", "12", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr

@@ -36,7 +36,7 @@ def deployment(opts: ServeOptions, replicas: int):
 def build(args: dict[str, Any]):
     """Ray's application builder: ``serve run rlxrt.app.serve.ray_app:build target=DIR [draft=DIR]
     [speculator=draft|mtp|prompt-lookup|lookup+draft|lookup+mtp|none] [k=4] [workers=1] [replicas=2] [threads=1]
-    [max_queue=64] [min_draft_prob=0.3]``."""
+    [max_queue=64] [min_draft_prob=0.3] [engine=auto|batch|pool]``."""
     from rlxrt.config import load_config
 
     from ..reference import reference_pair
@@ -44,7 +44,7 @@ def build(args: dict[str, Any]):
     from .options import SERVE_MODEL_K, default_threads
 
     known = {"target", "draft", "speculator", "k", "workers", "replicas", "threads", "max_queue", "request_timeout",
-             "model_name", "providers", "min_draft_prob", "adaptive_k"}
+             "model_name", "providers", "min_draft_prob", "adaptive_k", "engine"}
     unknown = set(args) - known
     if unknown:
         raise ValueError(f"unknown argument(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
@@ -57,7 +57,7 @@ def build(args: dict[str, Any]):
     opts = ServeOptions(target=str(target), speculator=speculator, draft=draft, k=k, config=config,
                         min_prob=float(args.get("min_draft_prob", 0.0)),
                         adaptive_k=str(args.get("adaptive_k", "false")).strip().lower() in ("1", "true", "yes", "on"),
-                        workers=workers,
+                        workers=workers, engine=str(args.get("engine", "auto")),
                         max_queue=int(args.get("max_queue", 64)),
                         request_timeout=float(args.get("request_timeout", 600)), model_name=args.get("model_name"))
     return deployment(opts, int(args.get("replicas", 1)))
