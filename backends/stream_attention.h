@@ -333,6 +333,43 @@ static void attention_task(void *data, size_t group) {
   else __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
 }
 
+/* the op's n inputs with their element types and shapes (an absent optional input stays NULL) */
+static Status *op_inputs(Api api, void *context, size_t n, const void **in, int *type, int64_t (*dims)[8],
+                         size_t *rank) {
+  Status *s = NULL;
+  for (size_t i = 0; i < n && !s; i++) {
+    s = CALL(api, KERNEL_CONTEXT_GET_INPUT, GetInputFn)(context, i, &in[i]);
+    if (!s && in[i]) s = shape_of(api, in[i], &type[i], dims[i], &rank[i]);
+  }
+  return s;
+}
+
+/* the data of the n inputs that are present */
+static Status *op_data(Api api, size_t n, const void **in, void **data) {
+  Status *s = NULL;
+  for (size_t i = 0; i < n && !s; i++)
+    if (in[i]) s = CALL(api, GET_TENSOR_MUTABLE_DATA, DataFn)(in[i], &data[i]);
+  return s;
+}
+
+/* the attention output [1, T, width] and the present KV buffers (shaped as the past ones, which they start as
+ * when not bound as one buffer with them); their data in out, pk, pv */
+static Status *att_outputs(Api api, void *context, int64_t T, int64_t width, const int64_t *k_dims,
+                           const void *past_k, const void *past_v, size_t bytes, void **out, void **pk, void **pv) {
+  int64_t out_dims[3] = {1, T, width};
+  void *value[3] = {NULL, NULL, NULL};
+  Status *s = CALL(api, KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(context, 0, out_dims, 3, &value[0]);
+  if (!s) s = CALL(api, KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(context, 1, k_dims, 4, &value[1]);
+  if (!s) s = CALL(api, KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(context, 2, k_dims, 4, &value[2]);
+  if (!s) s = CALL(api, GET_TENSOR_MUTABLE_DATA, DataFn)(value[0], out);
+  if (!s) s = CALL(api, GET_TENSOR_MUTABLE_DATA, DataFn)(value[1], pk);
+  if (!s) s = CALL(api, GET_TENSOR_MUTABLE_DATA, DataFn)(value[2], pv);
+  if (s) return s;
+  if (*pk != past_k) memcpy(*pk, past_k, bytes); /* not bound as one buffer: present starts as past */
+  if (*pv != past_v) memcpy(*pv, past_v, bytes);
+  return NULL;
+}
+
 static Status *attention_compute(void *kernel_data, void *context) {
   const AttKernel *kernel = kernel_data;
   Api api = kernel->api;
@@ -340,11 +377,7 @@ static Status *attention_compute(void *kernel_data, void *context) {
   int64_t dims[9][8];
   size_t rank[9] = {0};
   int type[9] = {0};
-  Status *s = NULL;
-  for (size_t i = 0; i < 9 && !s; i++) {
-    s = CALL(api, KERNEL_CONTEXT_GET_INPUT, GetInputFn)(context, i, &in[i]);
-    if (!s && in[i]) s = shape_of(api, in[i], &type[i], dims[i], &rank[i]);
-  }
+  Status *s = op_inputs(api, context, 9, in, type, dims, rank);
   if (s) return s;
   int packed = !in[1] && !in[2];
   int64_t H = kernel->heads, KV = kernel->kv_heads, S = rank[0] == 3 ? dims[0][1] : -1;
@@ -360,24 +393,14 @@ static Status *attention_compute(void *kernel_data, void *context) {
   if (!ok) return fail(api, ORT_INVALID_ARGUMENT, "StreamAttention: the inputs are not GroupQueryAttention's as "
                                                   "rlxrt's fused graph feeds them");
   void *data[9] = {NULL};
-  for (size_t i = 0; i < 9 && !s; i++)
-    if (in[i]) s = CALL(api, GET_TENSOR_MUTABLE_DATA, DataFn)(in[i], &data[i]);
-  if (s) return s;
+  if ((s = op_data(api, 9, in, data))) return s;
   int64_t last = *(const int32_t *)data[5], first = last + 1 - S;
   if (first < 0 || last >= cap || last >= dims[7][0])
     return fail(api, ORT_INVALID_ARGUMENT, "StreamAttention: seqlens_k puts the new tokens outside the KV buffer");
-  int64_t out_dims[3] = {1, S, H * D};
-  void *out_value = NULL, *present[2] = {NULL, NULL}, *out = NULL, *pk = NULL, *pv = NULL;
-  s = CALL(api, KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(context, 0, out_dims, 3, &out_value);
-  if (!s) s = CALL(api, KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(context, 1, dims[3], 4, &present[0]);
-  if (!s) s = CALL(api, KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(context, 2, dims[4], 4, &present[1]);
-  if (!s) s = CALL(api, GET_TENSOR_MUTABLE_DATA, DataFn)(out_value, &out);
-  if (!s) s = CALL(api, GET_TENSOR_MUTABLE_DATA, DataFn)(present[0], &pk);
-  if (!s) s = CALL(api, GET_TENSOR_MUTABLE_DATA, DataFn)(present[1], &pv);
+  void *out = NULL, *pk = NULL, *pv = NULL;
+  s = att_outputs(api, context, S, H * D, dims[3], data[3], data[4], (size_t)(KV * cap * D) * sizeof(float), &out,
+                  &pk, &pv);
   if (s) return s;
-  size_t buffer = (size_t)(KV * cap * D) * sizeof(float);
-  if (pk != data[3]) memcpy(pk, data[3], buffer); /* not bound as one buffer: present starts as past */
-  if (pv != data[4]) memcpy(pv, data[4], buffer);
   const float *x = data[0], *cos_cache = data[7], *sin_cache = data[8];
   float *queries = scratch(&queries_scratch, (size_t)(S * H * D));
   if (!queries) return fail(api, ORT_FAIL, "StreamAttention: out of memory");

@@ -41,11 +41,7 @@ static Status *batch_compute(void *kernel_data, void *context) {
   int64_t dims[8][8];
   size_t rank[8] = {0};
   int type[8] = {0};
-  Status *s = NULL;
-  for (size_t i = 0; i < 8 && !s; i++) {
-    s = CALL(api, KERNEL_CONTEXT_GET_INPUT, GetInputFn)(context, i, &in[i]);
-    if (!s && in[i]) s = shape_of(api, in[i], &type[i], dims[i], &rank[i]);
-  }
+  Status *s = op_inputs(api, context, 8, in, type, dims, rank);
   if (s) return s;
   int packed = !in[1] && !in[2];
   int64_t H = kernel->heads, KV = kernel->kv_heads, T = rank[0] == 3 ? dims[0][1] : -1;
@@ -62,25 +58,15 @@ static Status *batch_compute(void *kernel_data, void *context) {
   if (!ok) return fail(api, ORT_INVALID_ARGUMENT, "StreamAttentionBatch: the inputs are not q|k|v [1, T, W], KV "
                                                   "buffers [B, KV, cap, D], sequences [N, 3] and the rotary tables");
   void *data[8] = {NULL};
-  for (size_t i = 0; i < 8 && !s; i++)
-    if (in[i]) s = CALL(api, GET_TENSOR_MUTABLE_DATA, DataFn)(in[i], &data[i]);
-  if (s) return s;
+  if ((s = op_data(api, 8, in, data))) return s;
   const int32_t *seq = data[5];
   if (!sequences_ok(seq, N, T, B, cap, dims[6][0]))
     return fail(api, ORT_INVALID_ARGUMENT, "StreamAttentionBatch: sequences must cover the call's tokens, each in "
                                            "a slot of its own, inside the KV buffer");
-  int64_t out_dims[3] = {1, T, H * D};
-  void *out_value = NULL, *present[2] = {NULL, NULL}, *out = NULL, *pk = NULL, *pv = NULL;
-  s = CALL(api, KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(context, 0, out_dims, 3, &out_value);
-  if (!s) s = CALL(api, KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(context, 1, dims[3], 4, &present[0]);
-  if (!s) s = CALL(api, KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(context, 2, dims[4], 4, &present[1]);
-  if (!s) s = CALL(api, GET_TENSOR_MUTABLE_DATA, DataFn)(out_value, &out);
-  if (!s) s = CALL(api, GET_TENSOR_MUTABLE_DATA, DataFn)(present[0], &pk);
-  if (!s) s = CALL(api, GET_TENSOR_MUTABLE_DATA, DataFn)(present[1], &pv);
+  void *out = NULL, *pk = NULL, *pv = NULL;
+  s = att_outputs(api, context, T, H * D, dims[3], data[3], data[4], (size_t)(B * KV * cap * D) * sizeof(float), &out,
+                  &pk, &pv);
   if (s) return s;
-  size_t buffer = (size_t)(B * KV * cap * D) * sizeof(float);
-  if (pk != data[3]) memcpy(pk, data[3], buffer); /* not bound as one buffer: present starts as past */
-  if (pv != data[4]) memcpy(pv, data[4], buffer);
   const float *x = data[0], *cos_cache = data[6], *sin_cache = data[7];
   float *queries = scratch(&queries_scratch, (size_t)(T * H * D));
   Attention stack[BATCH_STACK], *tasks = N <= BATCH_STACK ? stack : malloc((size_t)N * sizeof(Attention));

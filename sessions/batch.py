@@ -14,7 +14,10 @@ A slot's rows are computed bitwise as the one-sequence graph computes them (rlxr
 same among any others), so batching changes no output: greedy output equals the request served alone, and a
 seeded request follows the seed contract (docs/exactness.md). What batching does change is what a drafted token
 costs: after each step the batch plans every slot's k for its next round from the measured step cost and the
-slot's acceptance (``k_policy.plan_ks``); a Session drafts at most that (a seeded request keeps its k).
+slot's acceptance (``k_policy.plan_ks``); a Session drafts at most that (a seeded request keeps its k). What the
+plan cannot see (the interpreter lock the slots' threads share, a speculator catching up) is measured by its
+outcome: ``k_policy.Guard`` keeps drafting on only while windows that draft serve more tokens a second than
+windows that do not.
 """
 from __future__ import annotations
 
@@ -31,8 +34,8 @@ from rlxrt.checks import as_int
 from rlxrt.errors import GenerationError
 from rlxrt.limits import K_MAX
 
-from .k_policy import Sequence, StepCost, plan_ks
-from .kv import GraphModel
+from .k_policy import Guard, Sequence, StepCost, plan_ks
+from .kv import GraphModel, check_room
 
 CHUNK = 32
 """Prompt tokens a slot feeds a step by default."""
@@ -97,6 +100,11 @@ class Batch:
         self._running = False
         self.steps = 0
         self.run_seconds = 0.0
+        self.guard = Guard()
+        """Drafting as planned, or not at all, by the tokens a second each mode has measured (k_policy.Guard)."""
+        self.emitted = 0
+        """Tokens the slots' rounds have emitted (counted as they report them)."""
+        self._emitted_seen = 0
         self.draft_costs: deque[float] = deque(maxlen=DRAFT_WINDOW * 8)
         """Seconds of drafting one token in every slot's last rounds (a slot that has not drafted yet is planned
         with their median)."""
@@ -209,7 +217,9 @@ class Batch:
             self.steps += 1
             self.cost.observe(t, seconds)
             if len(parts) > 1:  # a lone sequence drafts as its Session would (k_for)
+                self.guard.step(time.perf_counter(), self.emitted - self._emitted_seen)
                 self._replan()
+            self._emitted_seen = self.emitted
         self._cond.notify_all()
 
     def _value(self, name: str, array: np.ndarray, n: int):
@@ -267,6 +277,8 @@ class Batch:
         sequence drafts what its Session would draft alone."""
         if sum(s.active for s in self._all) <= 1:
             return slot.k_wanted
+        if not self.guard.drafting:
+            return 0
         k, wanted = self._plan.get(slot.index, (0, -1))
         if wanted != slot.k_wanted:
             self._replan()
@@ -342,9 +354,7 @@ class Slot(GraphModel):
     def forward(self, tokens, rows: int | None = None) -> np.ndarray:
         s = len(tokens)
         end = self.length + s
-        if end > self.max_positions:
-            raise GenerationError(f"sequence of {end} tokens exceeds the model's KV capacity ({self.max_positions}); "
-                                  "shorten the request, or re-export with a larger --max-context")
+        check_room(end, self.max_positions)
         n = s if rows is None else min(rows, s)
         if n > K_MAX + 1:
             raise GenerationError(f"a batched slot returns at most {K_MAX + 1} rows of logits a call, {n} were asked")
@@ -367,6 +377,8 @@ class Slot(GraphModel):
         """A round's result: the acceptance and the cost of drafting the batch plans with. The cost of a drafted
         token is what drafting adds to the slot's time between its last step and this round's hand-in (the
         steps wait for it): the proposal, and reading the verification's extra rows."""
+        with self.batch._cond:
+            self.batch.emitted += accepted + 1
         if drafted <= 0:
             self.base = ACCEPTANCE_DECAY * self.base + (1 - ACCEPTANCE_DECAY) * self.between if self.base else \
                 self.between

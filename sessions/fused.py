@@ -18,10 +18,10 @@ from __future__ import annotations
 import numpy as np
 
 from rlxrt.backends import CompiledGraph
-from rlxrt.errors import GenerationError, ModelFormatError
+from rlxrt.errors import ModelFormatError
 from rlxrt.limits import K_MAX
 
-from .kv import GraphModel
+from .kv import GraphModel, check_room
 
 
 MIN_ORT = (1, 31)
@@ -150,9 +150,7 @@ class FusedKVModel(GraphModel):
         ``hidden``) is this model's buffer: valid until its next call."""
         s = len(tokens)
         end = self.length + s
-        if end > self.max_positions:
-            raise GenerationError(f"sequence of {end} tokens exceeds the model's KV capacity ({self.max_positions}); "
-                                  "shorten the request, or re-export with a larger --max-context")
+        check_room(end, self.max_positions)
         n = s if rows is None else min(rows, s)
         ids, ids_value = self._buffer(self._ids, s, (1, s), np.int64, self._ids_buf)
         ids[0] = tokens

@@ -118,3 +118,38 @@ def _rate(cost: StepCost, sequences: list[Sequence], ks: list[int]) -> float:
         earned += sum(a ** (j + 1) for j in range(k))
         seconds += k * s.draft_seconds
     return earned / seconds
+
+
+class Guard:
+    """Whether a batch drafts as planned or not at all: the plan's costs are measured, but what a step waits for
+    (other sequences' work under one interpreter lock, a speculator catching up) is only estimated, so the
+    guard also measures the outcome. It alternates windows of ``window`` steps, keeps the tokens a second of
+    the windows that drafted as planned and of those that drafted nothing (running means), drafts in the better
+    mode, and tries the other one every ``explore``-th window; a window's rate is its emitted tokens over its
+    wall time."""
+
+    def __init__(self, window: int = 24, explore: int = 4):
+        self.window, self.explore = window, explore
+        self.drafting = True
+        self.rates: dict[bool, float | None] = {True: None, False: None}
+        self._steps, self._tokens, self._start, self._windows = 0, 0, None, 0
+
+    def step(self, now: float, tokens: int) -> None:
+        """A step ended at ``now`` (seconds) and its sequences emitted ``tokens``."""
+        if self._start is None:
+            self._start = now
+            return
+        self._steps += 1
+        self._tokens += tokens
+        if self._steps < self.window:
+            return
+        rate = self._tokens / max(now - self._start, 1e-9)
+        old = self.rates[self.drafting]
+        self.rates[self.drafting] = rate if old is None else 0.5 * (old + rate)
+        self._windows += 1
+        other = not self.drafting
+        if self.rates[other] is None or self._windows % self.explore == 0:
+            self.drafting = other  # measure the other mode (again)
+        else:
+            self.drafting = self.rates[True] >= self.rates[False]
+        self._steps, self._tokens, self._start = 0, 0, now

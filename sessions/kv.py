@@ -34,6 +34,13 @@ def draft_vocab_ids(graph: CompiledGraph) -> np.ndarray | None:
     return arr
 
 
+def check_room(end: int, max_positions: int) -> None:
+    """GenerationError when a call would end past the KV capacity."""
+    if end > max_positions:
+        raise GenerationError(f"sequence of {end} tokens exceeds the model's KV capacity ({max_positions}); "
+                              "shorten the request, or re-export with a larger --max-context")
+
+
 class GraphModel:
     """What the KV and the recurrent-state models share: the graph, its manifest, timed runs (each states the
     ``decoder.Decoder`` protocol)."""

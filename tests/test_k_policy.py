@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from rlxrt.sessions.k_policy import Sequence, StepCost, plan_ks
+from rlxrt.sessions.k_policy import Guard, Sequence, StepCost, plan_ks
 
 
 def rate(cost: StepCost, seqs: list[Sequence], ks: list[int]) -> float:
@@ -64,3 +64,27 @@ def test_the_plan_has_the_best_rate_of_every_choice(seed):
     best = max(rate(cost, seqs, list(c)) for c in itertools.product(*(range(s.k_max + 1) for s in seqs)))
     assert all(0 <= k <= s.k_max for k, s in zip(ks, seqs))
     assert rate(cost, seqs, ks) >= best * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("drafting_pays", [True, False])
+def test_the_guard_keeps_the_mode_that_serves_more(drafting_pays):
+    """Windows of steps in each mode at a measured rate: the guard drafts in the better mode most of the time,
+    and follows when the better mode changes."""
+    guard = Guard(window=4, explore=4)
+    now, chosen = 0.0, []
+
+    def run(steps, pays):
+        nonlocal now
+        for _ in range(steps):
+            rate = 12.0 if guard.drafting == pays else 10.0  # tokens a second of the mode it is in
+            now += 1.0
+            chosen.append(guard.drafting)
+            guard.step(now, int(rate))
+
+    run(400, drafting_pays)
+    share = sum(c == drafting_pays for c in chosen[40:]) / len(chosen[40:])
+    assert share >= 0.7, share
+    chosen.clear()
+    run(400, not drafting_pays)  # the workload changed: the other mode pays now
+    share = sum(c != drafting_pays for c in chosen[80:]) / len(chosen[80:])
+    assert share >= 0.7, share
