@@ -109,6 +109,8 @@ class Batch:
         """Seconds of drafting one token in every slot's last rounds (a slot that has not drafted yet is planned
         with their median)."""
         self.cost = StepCost({1: 1.0})
+        if self._hidden_name and self._hidden_name in graph.output_names:
+            self.fetch_hidden()  # bound to a buffer made once, whether a slot reads it or not
         if calibrate:
             self.cost = StepCost(self._calibrate())
         self._plan: dict[int, tuple[int, int]] = {}

@@ -58,8 +58,15 @@ def test_64_concurrent_mixed_requests_equal_each_alone(speculator, draft):
 
 
 def test_auto_engine_falls_back_to_the_pool_where_the_target_cannot_batch(caplog):
-    server = Running(options(TARGET, config=Config(providers=("cpu",), intra_op_threads=1, cache=False,
-                                                   cpu_kernels="ort")))
+    import logging
+
+    log = logging.getLogger("rlxrt.serve")
+    log.addHandler(caplog.handler)  # whatever an earlier test did to propagation
+    try:
+        server = Running(options(TARGET, config=Config(providers=("cpu",), intra_op_threads=1, cache=False,
+                                                       cpu_kernels="ort")))
+    finally:
+        log.removeHandler(caplog.handler)
     try:
         assert server.server.engine == "pool"
         assert "cpu_kernels = rlxrt" in caplog.text
