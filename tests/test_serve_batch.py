@@ -34,6 +34,11 @@ def test_64_concurrent_mixed_requests_equal_each_alone(speculator, draft):
                              adaptive_k=speculator != "none"))
     try:
         assert server.server.engine == "batch"
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(f"{server.url}/health", timeout=30) as r:
+            assert json.loads(r.read())["engine"] == "batch"
         c = server.client()
         requests = [(PROMPTS[i % len(PROMPTS)], 8 + 5 * (i % 9), 0.0 if i % 3 else 0.9, None if i % 3 else 500 + i,
                      bool(i % 2)) for i in range(64)]
@@ -57,19 +62,12 @@ def test_64_concurrent_mixed_requests_equal_each_alone(speculator, draft):
         server.stop()
 
 
-def test_auto_engine_falls_back_to_the_pool_where_the_target_cannot_batch(caplog):
-    import logging
-
-    log = logging.getLogger("rlxrt.serve")
-    log.addHandler(caplog.handler)  # whatever an earlier test did to propagation
-    try:
-        server = Running(options(TARGET, config=Config(providers=("cpu",), intra_op_threads=1, cache=False,
-                                                       cpu_kernels="ort")))
-    finally:
-        log.removeHandler(caplog.handler)
+def test_auto_engine_falls_back_to_the_pool_where_the_target_cannot_batch():
+    server = Running(options(TARGET, config=Config(providers=("cpu",), intra_op_threads=1, cache=False,
+                                                   cpu_kernels="ort")))
     try:
         assert server.server.engine == "pool"
-        assert "cpu_kernels = rlxrt" in caplog.text
+        assert "cpu_kernels = rlxrt" in server.server.engine_reason  # the reason, with the fix, also logged
         assert server.client().completions.create(model="m", prompt="x", max_tokens=3).usage.completion_tokens == 3
     finally:
         server.stop()

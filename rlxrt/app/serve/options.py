@@ -89,7 +89,7 @@ def make_server(opts: ServeOptions):
     from .pool import Pool
 
     config = opts.config
-    target, engine = _target(opts)
+    target, engine, why = _target(opts)
     helper = _helper(opts, engine)
 
     def make_session():
@@ -99,26 +99,29 @@ def make_server(opts: ServeOptions):
     holder = {}
     metrics = Metrics(opts.name, lambda: holder["pool"])
     pool = holder["pool"] = Pool(make_session, opts.workers, opts.max_queue, metrics.record)
-    return Server(pool, opts.name, metrics, opts.request_timeout, engine=engine)
+    return Server(pool, opts.name, metrics, opts.request_timeout, engine=engine, engine_reason=why)
 
 
 def _target(opts: ServeOptions):
-    """(the target every Session decodes on, the engine): a Batch of ``workers`` slots, or the compiled graph
-    the pool's Sessions share; ``auto`` takes the batch where the target can be batched and says why not else."""
+    """(the target every Session decodes on, the engine, why not the batch): a Batch of ``workers`` slots, or the
+    compiled graph the pool's Sessions share; ``auto`` takes the batch where the target can be batched and says
+    why not else."""
     import logging
 
     from rlxrt.backends import compile
     from rlxrt.errors import ProviderError
     from rlxrt.sessions.batch import Batch
 
+    why = "--engine pool"
     if opts.engine != "pool":
         try:
-            return Batch(opts.target, opts.config, slots=opts.workers), "batch"
+            return Batch(opts.target, opts.config, slots=opts.workers), "batch", None
         except ProviderError as exc:
             if opts.engine == "batch":
                 raise
-            logging.getLogger("rlxrt.serve").warning("serving with the pool engine: %s", exc)
-    return compile(opts.target, opts.config), "pool"
+            why = str(exc)
+            logging.getLogger("rlxrt.serve").warning("serving with the pool engine: %s", why)
+    return compile(opts.target, opts.config), "pool", why
 
 
 def _helper(opts: ServeOptions, engine: str):
