@@ -318,10 +318,6 @@ class Slot(GraphModel):
         self._out: np.ndarray = self._logits[:0]
         self.length = 0
 
-    @property
-    def providers(self) -> list[str]:
-        return self.graph.providers
-
     def fetch_hidden(self) -> int:
         width = self.batch.fetch_hidden()
         self._hidden_buf = np.zeros((self.batch.width, width), np.float32)
@@ -381,21 +377,19 @@ class Slot(GraphModel):
         steps wait for it): the proposal, and reading the verification's extra rows."""
         with self.batch._cond:
             self.batch.emitted += accepted + 1
-        if drafted <= 0:
-            self.base = ACCEPTANCE_DECAY * self.base + (1 - ACCEPTANCE_DECAY) * self.between if self.base else \
-                self.between
-            self.acceptance += ACCEPTANCE_DRIFT * (PRIOR_ACCEPTANCE - self.acceptance)
-            self._drafting = False
-            return
-        rate = accepted / min(drafted, accepted + 1)  # of the positions reached (a rejection ends the round)
-        with self.batch._cond:
+            if drafted <= 0:
+                self.base = ACCEPTANCE_DECAY * self.base + (1 - ACCEPTANCE_DECAY) * self.between if self.base \
+                    else self.between
+                self.acceptance += ACCEPTANCE_DRIFT * (PRIOR_ACCEPTANCE - self.acceptance)
+                self._drafting = False
+                return
+            rate = accepted / min(drafted, accepted + 1)  # of the positions reached (a rejection ends the round)
             self.acceptance = ACCEPTANCE_DECAY * self.acceptance + (1 - ACCEPTANCE_DECAY) * rate
             if self._drafting:  # not the round that caught the speculator up after a pause
                 cost = max(self.between - self.base, draft_seconds) / drafted
                 self.draft_costs.append(cost)
                 self.batch.draft_costs.append(cost)
             self._drafting = True
-
 
 def _median(values) -> float:
     return float(np.median(values)) if values else 0.0

@@ -25,6 +25,9 @@ class Decoder(Protocol):
     """[s, H] hidden states of the last forward once ``fetch_hidden`` asked for them, else None."""
     greedy_ids: bool
     """True when ``forward_ids`` returns each row's argmax without computing the logits (a greedy head)."""
+    shared: bool
+    """True for a slot of a Batch (``batch.Slot``): its calls run in steps with other sequences', it caps a
+    round's k (``k_cap``), hears each round's result (``observe``) and the request's end (``idle``)."""
     run_seconds: float
     """Seconds spent inside ONNX Runtime."""
 
