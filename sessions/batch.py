@@ -14,17 +14,16 @@ A slot's rows are computed bitwise as the one-sequence graph computes them (rlxr
 same among any others), so batching changes no output: greedy output equals the request served alone, and a
 seeded request follows the seed contract (docs/exactness.md). What batching does change is what a drafted token
 costs: after each step the batch plans every slot's k for its next round from the measured step cost and the
-slot's acceptance (``k_policy.plan_ks``); a Session drafts at most that (a seeded request keeps its k). What the
-plan cannot see (the interpreter lock the slots' threads share, a speculator catching up) is measured by its
-outcome: ``k_policy.Guard`` keeps drafting on only while windows that draft serve more tokens a second than
-windows that do not.
+slot's acceptance (``k_policy.plan_ks``); a Session drafts at most that (a seeded request keeps its k). A drafted
+token costs the step its row and what the step waits for while the slots draft: the gaps between steps, measured
+(``k_policy.DraftCost``). What the plan cannot see is measured by its outcome: ``k_policy.Guard`` keeps drafting on
+only while steps that draft serve more tokens a second than steps that do not.
 """
 from __future__ import annotations
 
 import os
 import threading
 import time
-from collections import deque
 
 import numpy as np
 
@@ -34,7 +33,7 @@ from rlxrt.checks import as_int
 from rlxrt.errors import GenerationError
 from rlxrt.limits import K_MAX
 
-from .k_policy import Guard, Sequence, StepCost, plan_ks
+from .k_policy import DraftCost, Guard, Sequence, StepCost, plan_ks
 from .kv import GraphModel, check_room
 
 CHUNK = 32
@@ -46,8 +45,6 @@ PRIOR_ACCEPTANCE = 0.5
 ACCEPTANCE_DECAY = 0.9
 CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 CALIBRATION_REPEATS = 5
-DRAFT_WINDOW = 8
-"""Rounds a slot's drafting cost is the median of."""
 ACCEPTANCE_DRIFT = 0.02
 """How far a slot's acceptance estimate moves back to the prior in a round that drafted nothing: a sequence whose
 drafts stopped paying is tried again, and its estimate refreshed."""
@@ -102,12 +99,13 @@ class Batch:
         self.run_seconds = 0.0
         self.guard = Guard()
         """Drafting as planned, or not at all, by the tokens a second each mode has measured (k_policy.Guard)."""
+        self.waits = DraftCost()
+        """What the steps wait for between them, and what a drafted token adds to it."""
         self.emitted = 0
         """Tokens the slots' rounds have emitted (counted as they report them)."""
         self._emitted_seen = 0
-        self.draft_costs: deque[float] = deque(maxlen=DRAFT_WINDOW * 8)
-        """Seconds of drafting one token in every slot's last rounds (a slot that has not drafted yet is planned
-        with their median)."""
+        self._ended: float | None = None  # when the last step ended
+        self._record: tuple[bool, float] | None = None  # the last clean step's mode and seconds, for the guard
         self.cost = StepCost({1: 1.0})
         if self._hidden_name and self._hidden_name in graph.output_names:
             self.fetch_hidden()  # bound to a buffer made once, whether a slot reads it or not
@@ -153,7 +151,6 @@ class Batch:
         with self._cond:
             slot.pending, slot.fed, slot.want, slot.error = tokens, 0, rows, None
             slot.since = time.perf_counter()
-            slot.between = slot.since - slot.released  # its own work since its last step: drafting, accepting
             self._cond.notify_all()
             while slot.pending is not None:
                 if self._running:  # the step's end wakes every waiter
@@ -182,6 +179,11 @@ class Batch:
         """Run one step over every slot that handed in tokens (called with the lock held; released while
         ONNX Runtime runs)."""
         taking = [s for s in self._all if s.pending is not None]
+        start = time.perf_counter()
+        gap = start - self._ended if self._ended is not None else None
+        clean = len(taking) > 1 and not any(s.fresh for s in taking)  # every slot past its prompt: rounds alone
+        drafted = sum(len(s.pending) - 1 for s in taking) if clean else 0
+        drafting = self.guard.drafting  # the mode the slots planned this step's rounds in
         t, r, parts = 0, 0, []
         for n, s in enumerate(taking):
             left = len(s.pending) - s.fed  # a prompt goes in chunks; the last holds every row wanted
@@ -214,15 +216,26 @@ class Batch:
             s.fed += count
             if last:
                 s.deliver(self._logits[0, r0:r0 + want])
-                s.pending, s.released = None, time.perf_counter()
+                s.pending, s.fresh = None, False
         if error is None:
             self.steps += 1
             self.cost.observe(t, seconds)
+            self._account(clean and gap is not None, drafting, drafted, gap or 0.0, seconds)
             if len(parts) > 1:  # a lone sequence drafts as its Session would (k_for)
-                self.guard.step(time.perf_counter(), self.emitted - self._emitted_seen)
                 self._replan()
-            self._emitted_seen = self.emitted
+        self._ended = time.perf_counter()
         self._cond.notify_all()
+
+    def _account(self, clean: bool, drafting: bool, drafted: int, gap: float, seconds: float) -> None:
+        """What a step tells of drafting (``clean``: its slots were all past their prompts, and a step before it
+        ended, so the gap before it was theirs): the gap's cost (``DraftCost``) and, to the guard, the step
+        before it with the tokens its rounds emitted (reported between the two steps)."""
+        if self._record is not None:
+            self.guard.step(*self._record, self.emitted - self._emitted_seen)
+        self._emitted_seen = self.emitted
+        self._record = (drafting, gap + seconds) if clean else None
+        if clean:
+            self.waits.observe(drafted, gap)
 
     def _value(self, name: str, array: np.ndarray, n: int):
         key = (name, n)
@@ -269,9 +282,8 @@ class Batch:
     def _replan(self) -> None:
         """Every drafting slot's k for its next round (``k_policy.plan_ks``), from the step cost and acceptances."""
         active = [s for s in self._all if s.active]
-        everyone = _median(self.draft_costs)
-        plan = plan_ks(self.cost, [Sequence(s.acceptance, s.k_wanted, _median(s.draft_costs) if s.draft_costs
-                                            else everyone) for s in active])
+        plan = plan_ks(self.cost, [Sequence(s.acceptance, s.k_wanted, self.waits.per_token) for s in active],
+                       self.waits.overhead)
         self._plan = {s.index: (k, s.k_wanted) for s, k in zip(active, plan)}
 
     def k_for(self, slot: "Slot") -> int:
@@ -300,17 +312,12 @@ class Slot(GraphModel):
         self.max_positions = min(self.manifest.max_positions, batch.capacity)
         self.pending: np.ndarray | None = None
         self.fed = self.want = 0
-        self.since = self.released = self.between = 0.0
-        self.base = 0.0
-        """Seconds between a step and this slot's next hand-in in a round that drafts nothing (running mean)."""
+        self.since = 0.0
         self.error: Exception | None = None
         self.active = False
+        self.fresh = False
+        """A request's prompt is not all in yet: its steps tell nothing of drafting."""
         self.acceptance = PRIOR_ACCEPTANCE
-        self.draft_costs: deque[float] = deque(maxlen=DRAFT_WINDOW)
-        """Seconds of drafting one token in this slot's last rounds that drafted after a round that drafted too
-        (the first after a pause also catches the speculator up on what it has not read: a head reads the prompt
-        at its first proposal); planned with their median."""
-        self._drafting = False
         self.k_wanted = 0
         """The k the Session would draft next round, before the batch's plan caps it."""
         self._logits = np.zeros((K_MAX + 1, self.logits_width), np.float32)
@@ -325,7 +332,7 @@ class Slot(GraphModel):
 
     def reset(self) -> None:
         with self.batch._cond:
-            self.length, self.hidden, self.active, self._drafting = 0, None, True, False
+            self.length, self.hidden, self.active, self.fresh = 0, None, True, True
 
     def idle(self) -> None:
         """The request ended: steps no longer wait for this slot."""
@@ -371,25 +378,12 @@ class Slot(GraphModel):
             self.k_wanted = wanted
             return min(wanted, self.batch.k_for(self))
 
-    def observe(self, drafted: int, accepted: int, draft_seconds: float) -> None:
-        """A round's result: the acceptance and the cost of drafting the batch plans with. The cost of a drafted
-        token is what drafting adds to the slot's time between its last step and this round's hand-in (the
-        steps wait for it): the proposal, and reading the verification's extra rows."""
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A round's result: the acceptance the batch plans with, and the tokens it emitted."""
         with self.batch._cond:
             self.batch.emitted += accepted + 1
             if drafted <= 0:
-                self.base = ACCEPTANCE_DECAY * self.base + (1 - ACCEPTANCE_DECAY) * self.between if self.base \
-                    else self.between
                 self.acceptance += ACCEPTANCE_DRIFT * (PRIOR_ACCEPTANCE - self.acceptance)
-                self._drafting = False
                 return
             rate = accepted / min(drafted, accepted + 1)  # of the positions reached (a rejection ends the round)
             self.acceptance = ACCEPTANCE_DECAY * self.acceptance + (1 - ACCEPTANCE_DECAY) * rate
-            if self._drafting:  # not the round that caught the speculator up after a pause
-                cost = max(self.between - self.base, draft_seconds) / drafted
-                self.draft_costs.append(cost)
-                self.batch.draft_costs.append(cost)
-            self._drafting = True
-
-def _median(values) -> float:
-    return float(np.median(values)) if values else 0.0

@@ -22,6 +22,8 @@ refined by every step it runs.
 from __future__ import annotations
 
 import bisect
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 DECAY = 0.9
@@ -80,8 +82,12 @@ class Sequence:
     """Seconds of drafting one token."""
 
 
-def plan_ks(cost: StepCost, sequences: list[Sequence]) -> list[int]:
-    """The k of each sequence for the next step: the ks with the best rate (see the module's text); [] for none."""
+def plan_ks(cost: StepCost, sequences: list[Sequence], overhead: float = 0.0) -> list[int]:
+    """The k of each sequence for the next step: the ks with the best rate (see the module's text); [] for none.
+    ``overhead``: seconds every step costs besides t(R), whatever is drafted (the sequences' work between steps)."""
+    if overhead:
+        step = cost
+        cost = lambda rows: step(rows) + overhead  # noqa: E731
     n = len(sequences)
     ks, rate = [0] * n, n / cost(n) if n else 0.0
     for _ in range(MAX_ITERATIONS):
@@ -93,7 +99,7 @@ def plan_ks(cost: StepCost, sequences: list[Sequence]) -> list[int]:
     return ks
 
 
-def _best_at(cost: StepCost, sequences: list[Sequence], rate: float) -> list[int]:
+def _best_at(cost, sequences: list[Sequence], rate: float) -> list[int]:
     """The ks that maximise earned - rate * seconds: for each count m of drafted tokens the m drafted tokens
     of most value (a sequence's j-th is worth a^j - rate * d, less with every j, so the best m of them are a
     prefix of each sequence's), then the m that is best with the step's cost."""
@@ -111,7 +117,7 @@ def _best_at(cost: StepCost, sequences: list[Sequence], rate: float) -> list[int
     return ks
 
 
-def _rate(cost: StepCost, sequences: list[Sequence], ks: list[int]) -> float:
+def _rate(cost, sequences: list[Sequence], ks: list[int]) -> float:
     earned, seconds = float(len(ks)), cost(len(ks) + sum(ks))
     for s, k in zip(sequences, ks):
         a = min(max(s.acceptance, 0.0), 1.0)
@@ -120,36 +126,65 @@ def _rate(cost: StepCost, sequences: list[Sequence], ks: list[int]) -> float:
     return earned / seconds
 
 
-class Guard:
-    """Whether a batch drafts as planned or not at all: the plan's costs are measured, but what a step waits for
-    (other sequences' work under one interpreter lock, a speculator catching up) is only estimated, so the
-    guard also measures the outcome. It alternates windows of ``window`` steps, keeps the tokens a second of
-    the windows that drafted as planned and of those that drafted nothing (running means), drafts in the better
-    mode, and tries the other one every ``explore``-th window; a window's rate is its emitted tokens over its
-    wall time."""
+class DraftCost:
+    """What the steps wait for between them, as the batch sees it: the seconds from one step's end to the next
+    one's start with nothing drafted (``overhead``: the sequences' own work, under one interpreter lock) and
+    the seconds each drafted token adds to that (``per_token``). The sequences draft side by side on their own
+    threads, so a sequence's own drafting time is not what the step waits for; this is. Medians of the last
+    ``window`` gaps of each kind, so a gap stretched by something else (a client joining) does not count."""
 
-    def __init__(self, window: int = 24, explore: int = 4):
+    def __init__(self, window: int = 16):
+        self.plain: deque[float] = deque(maxlen=window)
+        self.drafting: deque[float] = deque(maxlen=window)
+
+    def observe(self, drafted: int, gap: float) -> None:
+        """A gap before a step whose sequences drafted ``drafted`` tokens in all."""
+        if drafted <= 0:
+            self.plain.append(gap)
+        else:
+            self.drafting.append(max(gap - self.overhead, 0.0) / drafted)
+
+    @property
+    def overhead(self) -> float:
+        return statistics.median(self.plain) if self.plain else 0.0
+
+    @property
+    def per_token(self) -> float:
+        """0 until a drafting gap is measured: drafting is then planned as a lone sequence plans it."""
+        return statistics.median(self.drafting) if self.drafting else 0.0
+
+
+class Guard:
+    """Whether a batch drafts as planned or not at all: the plan's costs are measured, but not everything a step
+    waits for is (a speculator catching up after a pause, the cores the drafts take from the step), so the guard
+    also measures the outcome. It alternates windows of ``window`` steps in one mode, keeps the tokens a second
+    of each mode (the mean of its last two windows), drafts in the better mode, and tries the other one every
+    ``explore``-th window. A step counts with the mode its sequences drafted in, its whole time (the gap before
+    it and its run) and the tokens its rounds emitted; the batch leaves out steps that hold a prompt's chunk,
+    whose time says nothing of drafting."""
+
+    def __init__(self, window: int = 8, explore: int = 4):
         self.window, self.explore = window, explore
         self.drafting = True
         self.rates: dict[bool, float | None] = {True: None, False: None}
-        self._steps, self._tokens, self._start, self._windows = 0, 0, None, 0
+        self._sums = {True: [0, 0, 0.0], False: [0, 0, 0.0]}  # steps, tokens, seconds of each mode's window
+        self._windows = 0
 
-    def step(self, now: float, tokens: int) -> None:
-        """A step ended at ``now`` (seconds) and its sequences emitted ``tokens``."""
-        if self._start is None:
-            self._start = now
+    def step(self, drafting: bool, seconds: float, tokens: int) -> None:
+        """One step's record: the mode its rounds drafted in, its seconds, the tokens its rounds emitted."""
+        sums = self._sums[drafting]
+        sums[0] += 1
+        sums[1] += tokens
+        sums[2] += seconds
+        if drafting != self.drafting or sums[0] < self.window:
             return
-        self._steps += 1
-        self._tokens += tokens
-        if self._steps < self.window:
-            return
-        rate = self._tokens / max(now - self._start, 1e-9)
-        old = self.rates[self.drafting]
-        self.rates[self.drafting] = rate if old is None else 0.5 * (old + rate)
+        rate = sums[1] / max(sums[2], 1e-9)
+        old = self.rates[drafting]
+        self.rates[drafting] = rate if old is None else 0.5 * (old + rate)
+        self._sums[drafting] = [0, 0, 0.0]
         self._windows += 1
-        other = not self.drafting
+        other = not drafting
         if self.rates[other] is None or self._windows % self.explore == 0:
             self.drafting = other  # measure the other mode (again)
         else:
             self.drafting = self.rates[True] >= self.rates[False]
-        self._steps, self._tokens, self._start = 0, 0, now

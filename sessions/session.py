@@ -337,7 +337,7 @@ class Session:
                 stats.draft_seconds += rounds.draft_seconds
                 stats.target_seconds += rounds.target_seconds
                 if shared:
-                    target.observe(rounds.drafted, decision.accepted, rounds.draft_seconds)
+                    target.observe(rounds.drafted, decision.accepted)
                 if choice is not None:
                     k_now = min(k, choice.observe(rounds.drafted, decision.accepted, time.perf_counter() - t0,
                                                   spec.drafted_by))

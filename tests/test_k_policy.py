@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from rlxrt.sessions.k_policy import Guard, Sequence, StepCost, plan_ks
+from rlxrt.sessions.k_policy import DraftCost, Guard, Sequence, StepCost, plan_ks
 
 
 def rate(cost: StepCost, seqs: list[Sequence], ks: list[int]) -> float:
@@ -71,15 +71,14 @@ def test_the_guard_keeps_the_mode_that_serves_more(drafting_pays):
     """Windows of steps in each mode at a measured rate: the guard drafts in the better mode most of the time,
     and follows when the better mode changes."""
     guard = Guard(window=4, explore=4)
-    now, chosen = 0.0, []
+    chosen = []
 
     def run(steps, pays):
-        nonlocal now
         for _ in range(steps):
-            rate = 12.0 if guard.drafting == pays else 10.0  # tokens a second of the mode it is in
-            now += 1.0
-            chosen.append(guard.drafting)
-            guard.step(now, int(rate))
+            mode = guard.drafting
+            rate = 12.0 if mode == pays else 10.0  # tokens a second of the mode it is in
+            chosen.append(mode)
+            guard.step(mode, 1.0, int(rate))
 
     run(400, drafting_pays)
     share = sum(c == drafting_pays for c in chosen[40:]) / len(chosen[40:])
@@ -88,3 +87,35 @@ def test_the_guard_keeps_the_mode_that_serves_more(drafting_pays):
     run(400, not drafting_pays)  # the workload changed: the other mode pays now
     share = sum(c != drafting_pays for c in chosen[80:]) / len(chosen[80:])
     assert share >= 0.7, share
+
+
+def test_a_step_record_of_the_mode_before_a_switch_counts_for_that_mode():
+    """The batch hands the guard a step's record one step late (its tokens are reported after it): a record of
+    the mode just left goes to that mode, not to the window now running."""
+    guard = Guard(window=2, explore=4)
+    guard.step(True, 1.0, 20)
+    guard.step(True, 1.0, 20)  # a window of drafting at 20 tok/s: the other mode is measured next
+    assert guard.drafting is False and guard.rates[True] == 20.0
+    guard.step(True, 1.0, 0)  # late record of the drafting mode: not the plain window's
+    guard.step(False, 1.0, 10)
+    guard.step(False, 1.0, 10)
+    assert guard.rates[False] == 10.0 and guard.drafting is True
+
+
+def test_overhead_between_steps_makes_drafting_pay():
+    """Seconds every step waits besides its run are paid whatever is drafted, so a drafted token that costs a
+    little row is worth it where the step alone would not be."""
+    cost = StepCost({1: 1.0, 16: 2.5})  # 0.1 s a row
+    assert plan_ks(cost, [Sequence(0.3, 1)] * 4) == [0] * 4
+    assert plan_ks(cost, [Sequence(0.3, 1)] * 4, overhead=2.0) == [1] * 4
+
+
+def test_draft_cost_is_what_drafting_adds_to_the_gap_between_steps():
+    waits = DraftCost(window=5)
+    assert waits.per_token == 0.0 and waits.overhead == 0.0  # nothing measured: drafting planned as alone
+    for gap in (0.010, 0.011, 0.5, 0.009, 0.010):  # one gap stretched by something else: the median holds
+        waits.observe(0, gap)
+    for gap, drafted in ((0.030, 10), (0.050, 20), (0.019, 4)):
+        waits.observe(drafted, gap)
+    assert waits.overhead == pytest.approx(0.010)
+    assert waits.per_token == pytest.approx(0.002)
