@@ -34,7 +34,7 @@ from rlxrt.errors import GenerationError
 from rlxrt.limits import K_MAX
 
 from .k_policy import DraftCost, Guard, Sequence, StepCost, plan_ks
-from .kv import GraphModel, check_room
+from .kv import GraphModel, check_room, draft_vocab_ids
 
 CHUNK = 32
 """Prompt tokens a slot feeds a step by default."""
@@ -79,7 +79,8 @@ class Batch:
                 self._binding.bind_ortvalue_input(past, buf)
                 self._binding.bind_ortvalue_output(present, buf)
                 self._buffers.append(buf)
-        self.vocab = m.vocab_size
+        ids = draft_vocab_ids(graph)
+        self.vocab = m.vocab_size if ids is None else len(ids)  # a draft-only export's logits are its own columns
         self._ids_name, self._logits_name = m.inputs["input_ids"], m.outputs["logits"]
         self._hidden_name = m.outputs.get("hidden_states")
         self._ids = np.zeros((1, rows_max), np.int64)
@@ -96,6 +97,8 @@ class Batch:
         self._all: list[Slot] = []
         self._running = False
         self.steps = 0
+        self.calls = 0
+        """Slots' calls the steps have run (more than ``steps`` where steps held several sequences)."""
         self.run_seconds = 0.0
         self.guard = Guard()
         """Drafting as planned, or not at all, by the tokens a second each mode has measured (k_policy.Guard)."""
@@ -113,6 +116,10 @@ class Batch:
             self.cost = StepCost(self._calibrate())
         self._plan: dict[int, tuple[int, int]] = {}
         """slot -> (its k, the k it wanted when planned)"""
+
+    @property
+    def config(self) -> Config:
+        return self.graph.config
 
     # -- slots ----------------------------------------------------------------------------------------------
     def slot(self) -> "Slot":
@@ -216,9 +223,12 @@ class Batch:
             s.fed += count
             if last:
                 s.deliver(self._logits[0, r0:r0 + want])
+                for draft in s.leads:  # its Session drafts next: the drafts' steps wait for it
+                    draft.arm()
                 s.pending, s.fresh = None, False
         if error is None:
             self.steps += 1
+            self.calls += len(parts)
             self.cost.observe(t, seconds)
             self._account(clean and gap is not None, drafting, drafted, gap or 0.0, seconds)
             if len(parts) > 1:  # a lone sequence drafts as its Session would (k_for)
@@ -317,6 +327,12 @@ class Slot(GraphModel):
         self.active = False
         self.fresh = False
         """A request's prompt is not all in yet: its steps tell nothing of drafting."""
+        self.leads: list[Slot] = []
+        """Slots of a draft model's Batch that this slot's Session drafts with: between this slot's step and its
+        next hand-in the Session drafts, so the draft's steps wait for them then (``lead``)."""
+        self.led = False
+        """A draft's slot: active (its batch's steps wait for it) from its target's step to its target's next
+        hand-in, not from its own reset."""
         self.acceptance = PRIOR_ACCEPTANCE
         self.k_wanted = 0
         """The k the Session would draft next round, before the batch's plan caps it."""
@@ -332,13 +348,29 @@ class Slot(GraphModel):
 
     def reset(self) -> None:
         with self.batch._cond:
-            self.length, self.hidden, self.active, self.fresh = 0, None, True, True
+            self.length, self.hidden, self.fresh = 0, None, True
+            self.active = not self.led
 
     def idle(self) -> None:
-        """The request ended: steps no longer wait for this slot."""
+        """The request ended (or, for a draft's slot, its round's drafting did): steps no longer wait for it."""
         with self.batch._cond:
             self.active = False
             self.batch._cond.notify_all()
+        for draft in self.leads:
+            draft.idle()
+
+    def lead(self, draft: "Slot") -> None:
+        """Let this slot's steps pace ``draft``, a slot of the draft model's Batch its Session drafts with: the
+        drafts of every Session that stepped together then run in the same draft steps."""
+        if draft.batch is self.batch:
+            raise GenerationError("a draft's slot must be of another Batch than its target's")
+        draft.led = True
+        self.leads.append(draft)
+
+    def arm(self) -> None:
+        """Its target stepped: its Session drafts next, and the draft's steps wait for it (``idle`` ends it)."""
+        with self.batch._cond:
+            self.active = True
 
     def keep_hidden(self, rows: np.ndarray, at: int, total: int) -> None:
         """Rows ``at``.. of the hidden states of this slot's call of ``total`` tokens (a prompt comes in chunks);
@@ -363,6 +395,8 @@ class Slot(GraphModel):
         n = s if rows is None else min(rows, s)
         if n > K_MAX + 1:
             raise GenerationError(f"a batched slot returns at most {K_MAX + 1} rows of logits a call, {n} were asked")
+        for draft in self.leads:  # the round's drafting is done
+            draft.idle()
         self.active = True
         t0 = time.perf_counter()
         self.batch.submit(self, np.asarray(tokens, np.int64), n)

@@ -5,15 +5,20 @@ cache follows the committed tokens: after a round it keeps only the prefix
 that the committed sequence confirms, and the next ``propose`` feeds the
 tokens it has not seen (the pending token, and after a full acceptance the
 last drafted one too) in one call.
+
+Given a ``Batch`` of the draft model, it drafts on a slot of it: the drafts of every Session of the target's
+Batch then run in the same steps, each weight read once for all of them (``Slot.lead``).
 """
 from __future__ import annotations
 
 import os
+import weakref
 
 import numpy as np
 
 from rlxrt.backends import CompiledGraph, compile
 from rlxrt.config import Config
+from rlxrt.errors import GenerationError
 from rlxrt.speculator import AcceptDecision, Context, DraftProposal, Prefill, VerifyResult
 
 from .decoder import Decoder
@@ -25,14 +30,25 @@ class DraftModel(ModelSpeculator):
     name = "draft-model"
     default_k = 4  # best at temperature 0 on the shipped pair (exporters/reference/results/bench.json)
 
-    def __init__(self, draft: str | os.PathLike | CompiledGraph, config: Config | None = None, *,
+    def __init__(self, draft: "str | os.PathLike | CompiledGraph | Batch", config: Config | None = None, *,
                  min_prob: float = 0.0):
-        graph = draft if isinstance(draft, CompiledGraph) else compile(draft, config)
-        self.model = decoder_for(graph)
+        from .batch import Batch
+
+        if isinstance(draft, Batch):  # a slot of the draft's batch, for this speculator's life
+            self.model = draft.slot()
+            weakref.finalize(self, draft.release, self.model)
+        else:
+            self.model = decoder_for(draft if isinstance(draft, CompiledGraph) else compile(draft, config))
         self.set_min_prob(min_prob)
 
     def bind(self, target: Decoder) -> None:
         check_same_vocabulary(target, self.model)
+        if self.model.shared:
+            if not target.shared:
+                raise GenerationError("a draft on a slot of a Batch drafts for a target that is a slot of another "
+                                      "Batch (its steps pace the draft's); give a lone Session the draft's "
+                                      "directory or compiled graph instead")
+            target.lead(self.model)
 
     def reset(self) -> None:
         self.model.reset()

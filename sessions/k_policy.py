@@ -158,10 +158,10 @@ class Guard:
     """Whether a batch drafts as planned or not at all: the plan's costs are measured, but not everything a step
     waits for is (a speculator catching up after a pause, the cores the drafts take from the step), so the guard
     also measures the outcome. It alternates windows of ``window`` steps in one mode, keeps the tokens a second
-    of each mode (the mean of its last two windows), drafts in the better mode, and tries the other one every
-    ``explore``-th window. A step counts with the mode its sequences drafted in, its whole time (the gap before
-    it and its run) and the tokens its rounds emitted; the batch leaves out steps that hold a prompt's chunk,
-    whose time says nothing of drafting."""
+    of each mode (a running mean, each window weighing half), drafts in the better mode, and tries the other
+    one every ``explore``-th window. A step counts with the mode its sequences drafted in, its whole time (the
+    gap before it and its run) and the tokens its rounds emitted; the batch leaves out steps that hold a
+    prompt's chunk, whose time says nothing of drafting."""
 
     def __init__(self, window: int = 8, explore: int = 4):
         self.window, self.explore = window, explore

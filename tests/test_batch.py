@@ -15,7 +15,7 @@ from rlxrt.backends import compile
 from rlxrt.config import Config
 from rlxrt.errors import GenerationError, ProviderError
 from rlxrt.sampling import SamplingParams
-from rlxrt.sessions import DraftModel, MtpHead, PromptLookup, Session
+from rlxrt.sessions import Cascade, DraftModel, MtpHead, PromptLookup, Session
 from rlxrt.sessions.batch import Batch
 from rlxrt.sessions.fused import FusedKVModel
 from rlxrt.app.flags import head_dir
@@ -121,6 +121,45 @@ def test_sessions_joining_and_leaving_equal_their_lone_runs():
         t.join(120)
     assert not errors, errors
     assert {i: got[i] for i in lone} == lone
+
+
+def test_drafts_on_a_draft_batch_step_together_and_equal_their_lone_runs():
+    """Sessions whose draft model drafts on a slot of the draft's own Batch: their drafts run in shared steps
+    (more calls than steps), and every output equals the lone run's, greedy and seeded, with a draft alone and
+    behind prompt lookup (a round that drafts from the lookup, or not at all, leaves the draft's steps at once:
+    a step that waited for it would wait out the minute both batches gather for)."""
+    batch = Batch(TARGET, CFG, slots=6, chunk=16, gather_seconds=60)
+    drafts = Batch(DRAFT, CFG, slots=6, chunk=16, gather_seconds=60, calibrate=False)
+    makers = [lambda d: DraftModel(d, CFG), lambda d: Cascade(PromptLookup(min_n=3), DraftModel(d, CFG))]
+    requests = [(CODE + " " * i, dict(max_new_tokens=20 + 6 * (i % 3), ignore_eos=True,
+                                     **({"temperature": 0.8, "seed": i} if i % 3 == 2 else {}))) for i in range(6)]
+    lone = {i: Session(TARGET, makers[i % 2](DRAFT), CFG, k=3).generate(p, **kw).token_ids
+            for i, (p, kw) in enumerate(requests)}
+    got, errors = {}, []
+
+    def run(i):
+        try:
+            session = Session(batch, makers[i % 2](drafts), CFG, k=3)
+            for _ in range(2):
+                got[i] = session.generate(requests[i][0], **requests[i][1]).token_ids
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(50)
+    assert not any(t.is_alive() for t in threads), "a step waited for a slot that was not drafting"
+    assert not errors, errors
+    assert got == lone
+    assert drafts.calls > drafts.steps > 0
+
+
+def test_a_draft_on_a_batch_needs_a_batched_target():
+    drafts = Batch(DRAFT, CFG, slots=1, calibrate=False)
+    with pytest.raises(GenerationError, match="another Batch"):
+        Session(TARGET, DraftModel(drafts, CFG), CFG)
 
 
 def test_batched_sampling_follows_the_target(exported):

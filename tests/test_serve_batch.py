@@ -38,7 +38,8 @@ def test_64_concurrent_mixed_requests_equal_each_alone(speculator, draft):
         import urllib.request
 
         with urllib.request.urlopen(f"{server.url}/health", timeout=30) as r:
-            assert json.loads(r.read())["engine"] == "batch"
+            health = json.loads(r.read())
+        assert health["engine"] == "batch" and health["drafts"] == ("batch" if draft else None)
         c = server.client()
         requests = [(PROMPTS[i % len(PROMPTS)], 8 + 5 * (i % 9), 0.0 if i % 3 else 0.9, None if i % 3 else 500 + i,
                      bool(i % 2)) for i in range(64)]

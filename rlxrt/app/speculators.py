@@ -22,7 +22,8 @@ class Kind:
     """The model it drafts with: ``draft`` (a draft model directory), ``mtp`` (an MTP head directory) or None."""
     make: Callable[[Any, Any, float], Any]
     """``make(helper, config, min_prob)``: the speculator (None for plain decoding); ``helper`` is the model's
-    directory or compiled graph, ``min_prob`` where a model's chain ends (``ModelSpeculator``)."""
+    directory or compiled graph (a draft model's also a ``Batch`` of it, for Sessions on a target's Batch),
+    ``min_prob`` where a model's chain ends (``ModelSpeculator``)."""
 
 
 def _draft(helper, config, min_prob):

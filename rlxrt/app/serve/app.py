@@ -34,10 +34,13 @@ class Server:
     """What the routes share: the pool, the served model's name, the metrics, the request timeout."""
 
     def __init__(self, pool: Pool, model: str, metrics: Metrics, request_timeout: float, retry_after: int = 1,
-                 engine: str = "pool", engine_reason: str | None = None):
+                 engine: str = "pool", engine_reason: str | None = None, drafts: str | None = None):
         self.pool, self.model, self.metrics, self.engine = pool, model, metrics, engine
         self.engine_reason = engine_reason
         """Why the pool serves rather than the batch (None under the batch)."""
+        self.drafts = drafts
+        """How a draft model runs: ``batch`` (every Session's drafts in one step), ``each`` (each Session's on
+        its own), None without a draft model."""
         self.request_timeout, self.retry_after = request_timeout, retry_after
         s = pool.session
         self.session = s
@@ -194,8 +197,8 @@ def build_app(server: Server):
     @app.get("/health")
     async def health():
         p = server.pool
-        return {"status": "ok", "model": server.model, "engine": server.engine, "workers": len(p.sessions),
-                "running": p.running, "waiting": p.waiting}
+        return {"status": "ok", "model": server.model, "engine": server.engine, "drafts": server.drafts,
+                "workers": len(p.sessions), "running": p.running, "waiting": p.waiting}
 
     @app.get("/v1/models")
     async def models():

@@ -99,7 +99,10 @@ def make_server(opts: ServeOptions):
     holder = {}
     metrics = Metrics(opts.name, lambda: holder["pool"])
     pool = holder["pool"] = Pool(make_session, opts.workers, opts.max_queue, metrics.record)
-    return Server(pool, opts.name, metrics, opts.request_timeout, engine=engine, engine_reason=why)
+    from rlxrt.sessions.batch import Batch
+
+    drafts = None if model_of(opts.speculator) != "draft" else "batch" if isinstance(helper, Batch) else "each"
+    return Server(pool, opts.name, metrics, opts.request_timeout, engine=engine, engine_reason=why, drafts=drafts)
 
 
 def _target(opts: ServeOptions):
@@ -125,13 +128,22 @@ def _target(opts: ServeOptions):
 
 
 def _helper(opts: ServeOptions, engine: str):
-    """The draft model or head graph; under the batch engine with one intra-op thread (each Session drafts on its
-    own thread, beside the others)."""
+    """The draft model or head: under the batch engine a draft model's own Batch where it can batch (every
+    Session's draft then runs in one step, on every core), else its graph with one intra-op thread (each Session
+    drafts on its own thread, beside the others); the pool's Sessions share the compiled graph."""
     import dataclasses
+    import logging
 
     from rlxrt.backends import compile
+    from rlxrt.errors import ProviderError
+    from rlxrt.sessions.batch import Batch
 
     if not model_of(opts.speculator):
         return None
+    if engine == "batch" and model_of(opts.speculator) == "draft":
+        try:
+            return Batch(opts.draft, opts.config, slots=opts.workers, calibrate=False)
+        except ProviderError as exc:
+            logging.getLogger("rlxrt.serve").warning("the draft drafts alone in each Session: %s", exc)
     config = dataclasses.replace(opts.config, intra_op_threads=1) if engine == "batch" else opts.config
     return compile(opts.draft, config)

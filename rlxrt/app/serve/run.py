@@ -20,6 +20,8 @@ def serve_uvicorn(opts: ServeOptions, host: str, port: int, log_level: str = "in
     port = sock.getsockname()[1]
     how = f"batch engine, {opts.workers} sequences a step" if server.engine == "batch" else \
         f"pool engine, {opts.workers} worker(s)"
+    if server.drafts == "batch":
+        how += ", drafts batched"
     print(f"rlxrt: serving {server.model!r} on http://{host}:{port}/v1 ({how}, speculator {spec}, providers "
           f"{', '.join(server.session.target.providers)})", file=sys.stderr, flush=True)
     config = uvicorn.Config(build_app(server), log_level=log_level, timeout_graceful_shutdown=graceful_seconds
