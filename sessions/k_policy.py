@@ -84,44 +84,45 @@ class Sequence:
 
 def plan_ks(cost: StepCost, sequences: list[Sequence], overhead: float = 0.0) -> list[int]:
     """The k of each sequence for the next step: the ks with the best rate (see the module's text); [] for none.
-    ``overhead``: seconds every step costs besides t(R), whatever is drafted (the sequences' work between steps)."""
-    if overhead:
-        step = cost
-        cost = lambda rows: step(rows) + overhead  # noqa: E731
+    ``overhead``: seconds every step costs besides t(R), whatever is drafted (the sequences' work between steps).
+    The step's cost is read once per row count it can reach (the plan runs after every step, under the batch's
+    lock)."""
     n = len(sequences)
-    ks, rate = [0] * n, n / cost(n) if n else 0.0
+    if not n:
+        return []
+    table = [cost(n + m) + overhead for m in range(sum(s.k_max for s in sequences) + 1)]
+    powers = [[min(max(s.acceptance, 0.0), 1.0) ** (j + 1) for j in range(s.k_max)] for s in sequences]
+    ks, rate = [0] * n, n / table[0]
     for _ in range(MAX_ITERATIONS):
-        better = _best_at(cost, sequences, rate)
-        new_rate = _rate(cost, sequences, better)
+        better = _best_at(table, sequences, powers, rate)
+        new_rate = _rate(table, sequences, powers, better)
         if new_rate <= rate * (1 + 1e-12):
             return ks
         ks, rate = better, new_rate
     return ks
 
 
-def _best_at(cost, sequences: list[Sequence], rate: float) -> list[int]:
+def _best_at(table: list[float], sequences: list[Sequence], powers: list[list[float]], rate: float) -> list[int]:
     """The ks that maximise earned - rate * seconds: for each count m of drafted tokens the m drafted tokens
     of most value (a sequence's j-th is worth a^j - rate * d, less with every j, so the best m of them are a
-    prefix of each sequence's), then the m that is best with the step's cost."""
-    n = len(sequences)
-    values = sorted(((min(max(s.acceptance, 0.0), 1.0) ** (j + 1) - rate * s.draft_seconds, i)
-                     for i, s in enumerate(sequences) for j in range(s.k_max)), key=lambda v: -v[0])
-    best_m, best, total = 0, -rate * cost(n), 0.0
+    prefix of each sequence's), then the m that is best with the step's cost (``table[m]``: its seconds)."""
+    values = sorted((p - rate * s.draft_seconds, i) for i, (s, ps) in enumerate(zip(sequences, powers)) for p in ps)
+    values.reverse()
+    best_m, best, total = 0, -rate * table[0], 0.0
     for m, (value, _) in enumerate(values, 1):
         total += value
-        if total - rate * cost(n + m) > best:
-            best_m, best = m, total - rate * cost(n + m)
-    ks = [0] * n
+        if total - rate * table[m] > best:
+            best_m, best = m, total - rate * table[m]
+    ks = [0] * len(sequences)
     for _, i in values[:best_m]:
         ks[i] += 1
     return ks
 
 
-def _rate(cost, sequences: list[Sequence], ks: list[int]) -> float:
-    earned, seconds = float(len(ks)), cost(len(ks) + sum(ks))
-    for s, k in zip(sequences, ks):
-        a = min(max(s.acceptance, 0.0), 1.0)
-        earned += sum(a ** (j + 1) for j in range(k))
+def _rate(table: list[float], sequences: list[Sequence], powers: list[list[float]], ks: list[int]) -> float:
+    earned, seconds = float(len(ks)), table[sum(ks)]
+    for s, ps, k in zip(sequences, powers, ks):
+        earned += sum(ps[:k])
         seconds += k * s.draft_seconds
     return earned / seconds
 
