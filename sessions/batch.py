@@ -100,15 +100,17 @@ class Batch:
         self.calls = 0
         """Slots' calls the steps have run (more than ``steps`` where steps held several sequences)."""
         self.run_seconds = 0.0
-        self.guard = Guard()
-        """Drafting as planned, or not at all, by the tokens a second each mode has measured (k_policy.Guard)."""
+        self.guards: dict[int, Guard] = {}
+        """Drafting as planned, or not at all, by the tokens a second each mode has measured (k_policy.Guard): one
+        guard per load (``guard``), since what pays at 2 sequences a step need not at 16, and a rate measured at
+        one load says nothing of the other mode at another."""
         self.waits = DraftCost()
         """What the steps wait for between them, and what a drafted token adds to it."""
         self.emitted = 0
         """Tokens the slots' rounds have emitted (counted as they report them)."""
         self._emitted_seen = 0
         self._ended: float | None = None  # when the last step ended
-        self._record: tuple[bool, float] | None = None  # the last clean step's mode and seconds, for the guard
+        self._record: tuple[Guard, bool, float] | None = None  # the last clean step's guard, mode and seconds
         self.cost = StepCost({1: 1.0})
         if self._hidden_name and self._hidden_name in graph.output_names:
             self.fetch_hidden()  # bound to a buffer made once, whether a slot reads it or not
@@ -190,7 +192,8 @@ class Batch:
         gap = start - self._ended if self._ended is not None else None
         clean = len(taking) > 1 and not any(s.fresh for s in taking)  # every slot past its prompt: rounds alone
         drafted = sum(len(s.pending) - 1 for s in taking) if clean else 0
-        drafting = self.guard.drafting  # the mode the slots planned this step's rounds in
+        guard = self.guard(sum(s.active for s in self._all))
+        drafting = guard.drafting  # the mode the slots planned this step's rounds in
         t, r, parts = 0, 0, []
         for n, s in enumerate(taking):
             left = len(s.pending) - s.fed  # a prompt goes in chunks; the last holds every row wanted
@@ -230,20 +233,21 @@ class Batch:
             self.steps += 1
             self.calls += len(parts)
             self.cost.observe(t, seconds)
-            self._account(clean and gap is not None, drafting, drafted, gap or 0.0, seconds)
+            self._account(clean and gap is not None, guard, drafting, drafted, gap or 0.0, seconds)
             if len(parts) > 1:  # a lone sequence drafts as its Session would (k_for)
                 self._replan()
         self._ended = time.perf_counter()
         self._cond.notify_all()
 
-    def _account(self, clean: bool, drafting: bool, drafted: int, gap: float, seconds: float) -> None:
+    def _account(self, clean: bool, guard: Guard, drafting: bool, drafted: int, gap: float, seconds: float) -> None:
         """What a step tells of drafting (``clean``: its slots were all past their prompts, and a step before it
         ended, so the gap before it was theirs): the gap's cost (``DraftCost``) and, to the guard, the step
         before it with the tokens its rounds emitted (reported between the two steps)."""
         if self._record is not None:
-            self.guard.step(*self._record, self.emitted - self._emitted_seen)
+            last, *record = self._record
+            last.step(*record, self.emitted - self._emitted_seen)
         self._emitted_seen = self.emitted
-        self._record = (drafting, gap + seconds) if clean else None
+        self._record = (guard, drafting, gap + seconds) if clean else None
         if clean:
             self.waits.observe(drafted, gap)
 
@@ -296,12 +300,20 @@ class Batch:
                        self.waits.overhead)
         self._plan = {s.index: (k, s.k_wanted) for s, k in zip(active, plan)}
 
+    def guard(self, sequences: int) -> Guard:
+        """The guard of a step of this many sequences: one per power of two (2, 3-4, 5-8, 9-16, ...)."""
+        load = max(sequences - 1, 1).bit_length()
+        if load not in self.guards:
+            self.guards[load] = Guard()
+        return self.guards[load]
+
     def k_for(self, slot: "Slot") -> int:
         """The planned k of ``slot`` (planned again when it wants another k than the plan assumed); a lone
         sequence drafts what its Session would draft alone."""
-        if sum(s.active for s in self._all) <= 1:
+        active = sum(s.active for s in self._all)
+        if active <= 1:
             return slot.k_wanted
-        if not self.guard.drafting:
+        if not self.guard(active).drafting:
             return 0
         k, wanted = self._plan.get(slot.index, (0, -1))
         if wanted != slot.k_wanted:
