@@ -192,6 +192,9 @@ class Batch:
         gap = start - self._ended if self._ended is not None else None
         clean = len(taking) > 1 and not any(s.fresh for s in taking)  # every slot past its prompt: rounds alone
         drafted = sum(len(s.pending) - 1 for s in taking) if clean else 0
+        caught_up = any(len(s.pending) > 1 and not s.drafted_last for s in taking)  # its first drafts in a while
+        for s in taking:
+            s.drafted_last = not s.fresh and len(s.pending) > 1
         guard = self.guard(sum(s.active for s in self._all))
         drafting = guard.drafting  # the mode the slots planned this step's rounds in
         t, r, parts = 0, 0, []
@@ -233,22 +236,24 @@ class Batch:
             self.steps += 1
             self.calls += len(parts)
             self.cost.observe(t, seconds)
-            self._account(clean and gap is not None, guard, drafting, drafted, gap or 0.0, seconds)
+            self._account(clean and gap is not None, guard, drafting, drafted, gap or 0.0, seconds, caught_up)
             if len(parts) > 1:  # a lone sequence drafts as its Session would (k_for)
                 self._replan()
         self._ended = time.perf_counter()
         self._cond.notify_all()
 
-    def _account(self, clean: bool, guard: Guard, drafting: bool, drafted: int, gap: float, seconds: float) -> None:
+    def _account(self, clean: bool, guard: Guard, drafting: bool, drafted: int, gap: float, seconds: float,
+                 caught_up: bool) -> None:
         """What a step tells of drafting (``clean``: its slots were all past their prompts, and a step before it
-        ended, so the gap before it was theirs): the gap's cost (``DraftCost``) and, to the guard, the step
-        before it with the tokens its rounds emitted (reported between the two steps)."""
+        ended, so the gap before it was theirs): the gap's cost (``DraftCost``; not where a slot drafted for the
+        first time since its prompt or a pause, as its speculator then read all it had not read yet) and, to the
+        guard, the step before it with the tokens its rounds emitted (reported between the two steps)."""
         if self._record is not None:
             last, *record = self._record
             last.step(*record, self.emitted - self._emitted_seen)
         self._emitted_seen = self.emitted
         self._record = (guard, drafting, gap + seconds) if clean else None
-        if clean:
+        if clean and not caught_up:
             self.waits.observe(drafted, gap)
 
     def _value(self, name: str, array: np.ndarray, n: int):
@@ -346,6 +351,8 @@ class Slot(GraphModel):
         """A draft's slot: active (its batch's steps wait for it) from its target's step to its target's next
         hand-in, not from its own reset."""
         self.acceptance = PRIOR_ACCEPTANCE
+        self.drafted_last = False
+        """Whether its last call held drafted tokens."""
         self.k_wanted = 0
         """The k the Session would draft next round, before the batch's plan caps it."""
         self._logits = np.zeros((K_MAX + 1, self.logits_width), np.float32)

@@ -132,18 +132,26 @@ class DraftCost:
     one's start with nothing drafted (``overhead``: the sequences' own work, under one interpreter lock) and
     the seconds each drafted token adds to that (``per_token``). The sequences draft side by side on their own
     threads, so a sequence's own drafting time is not what the step waits for; this is. Medians of the last
-    ``window`` gaps of each kind, so a gap stretched by something else (a client joining) does not count."""
+    ``window`` gaps of each kind, so a gap stretched by something else (a client joining) does not count. After
+    ``stale`` gaps in a row with nothing drafted the drafting ones are forgotten: the plan drafts again and
+    measures anew (a cost measured once, under other load, would otherwise stop drafting for good)."""
 
-    def __init__(self, window: int = 16):
+    def __init__(self, window: int = 16, stale: int = 64):
         self.plain: deque[float] = deque(maxlen=window)
         self.drafting: deque[float] = deque(maxlen=window)
+        self.stale = stale
+        self._plain_run = 0
 
     def observe(self, drafted: int, gap: float) -> None:
         """A gap before a step whose sequences drafted ``drafted`` tokens in all."""
         if drafted <= 0:
             self.plain.append(gap)
+            self._plain_run += 1
+            if self._plain_run >= self.stale:
+                self.drafting.clear()
         else:
             self.drafting.append(max(gap - self.overhead, 0.0) / drafted)
+            self._plain_run = 0
 
     @property
     def overhead(self) -> float:
@@ -162,10 +170,13 @@ class Guard:
     of each mode (a running mean, each window weighing half), drafts in the better mode, and tries the other
     one every ``explore``-th window. A step counts with the mode its sequences drafted in, its whole time (the
     gap before it and its run) and the tokens its rounds emitted; the batch leaves out steps that hold a
-    prompt's chunk, whose time says nothing of drafting."""
+    prompt's chunk, whose time says nothing of drafting. The first ``settle`` steps after a switch do not count
+    either: a speculator catches up then on what it did not read while the other mode ran (a head reads every
+    row since its last proposal), a cost of switching, not of the mode."""
 
-    def __init__(self, window: int = 8, explore: int = 4):
-        self.window, self.explore = window, explore
+    def __init__(self, window: int = 8, explore: int = 4, settle: int = 1):
+        self.window, self.explore, self.settle = window, explore, settle
+        self._settling = 0
         self.drafting = True
         self.rates: dict[bool, float | None] = {True: None, False: None}
         self._sums = {True: [0, 0, 0.0], False: [0, 0, 0.0]}  # steps, tokens, seconds of each mode's window
@@ -173,6 +184,9 @@ class Guard:
 
     def step(self, drafting: bool, seconds: float, tokens: int) -> None:
         """One step's record: the mode its rounds drafted in, its seconds, the tokens its rounds emitted."""
+        if drafting == self.drafting and self._settling > 0:
+            self._settling -= 1
+            return
         sums = self._sums[drafting]
         sums[0] += 1
         sums[1] += tokens
@@ -189,3 +203,5 @@ class Guard:
             self.drafting = other  # measure the other mode (again)
         else:
             self.drafting = self.rates[True] >= self.rates[False]
+        if self.drafting != drafting:
+            self._settling = self.settle

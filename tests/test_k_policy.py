@@ -92,7 +92,7 @@ def test_the_guard_keeps_the_mode_that_serves_more(drafting_pays):
 def test_a_step_record_of_the_mode_before_a_switch_counts_for_that_mode():
     """The batch hands the guard a step's record one step late (its tokens are reported after it): a record of
     the mode just left goes to that mode, not to the window now running."""
-    guard = Guard(window=2, explore=4)
+    guard = Guard(window=2, explore=4, settle=0)
     guard.step(True, 1.0, 20)
     guard.step(True, 1.0, 20)  # a window of drafting at 20 tok/s: the other mode is measured next
     assert guard.drafting is False and guard.rates[True] == 20.0
@@ -119,3 +119,33 @@ def test_draft_cost_is_what_drafting_adds_to_the_gap_between_steps():
         waits.observe(drafted, gap)
     assert waits.overhead == pytest.approx(0.010)
     assert waits.per_token == pytest.approx(0.002)
+
+
+def test_the_first_step_after_a_switch_does_not_count():
+    """A speculator catches up on what it did not read while the other mode ran: the first step after a switch
+    pays that once, and is left out of the new mode's window."""
+    guard = Guard(window=2, explore=4, settle=1)
+    guard.step(True, 1.0, 20)
+    guard.step(True, 1.0, 20)
+    assert guard.drafting is False
+    guard.step(False, 1.0, 10)
+    guard.step(False, 1.0, 10)
+    assert guard.rates[False] is None  # one of its two steps was the settling one
+    guard.step(False, 1.0, 10)
+    assert guard.rates[False] == 10.0 and guard.drafting is True
+    guard.step(True, 5.0, 20)  # the catch-up step of drafting again: not counted
+    guard.step(True, 1.0, 20)
+    guard.step(True, 1.0, 20)
+    assert guard.rates[True] == 20.0
+
+
+def test_a_drafting_cost_not_measured_for_long_is_forgotten():
+    """The plan drafts again after a long run of plain gaps, and measures the cost anew."""
+    waits = DraftCost(window=4, stale=3)
+    waits.observe(2, 0.02)
+    assert waits.per_token == pytest.approx(0.01)
+    waits.observe(0, 0.0)
+    waits.observe(0, 0.0)
+    assert waits.per_token == pytest.approx(0.01)
+    waits.observe(0, 0.0)
+    assert waits.per_token == 0.0
