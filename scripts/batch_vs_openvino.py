@@ -3,8 +3,9 @@
 N requests (the same prompt token ids, greedy, EOS ignored) submitted at once to: rlxrt's Batch (N Sessions
 on N slots, plain and with a speculator when --head is given), rlxrt one request after another (what a
 one-worker server does), and OpenVINO GenAI's ContinuousBatchingPipeline (scripts/openvino_cb.py, run in the
-venv given by --ov-python). Repeats interleave the engines; medians of tokens/s are reported, as JSON and a
-table. Everything runs in-process (no HTTP) on the same cores.
+venv given by --ov-python), once per KV cache precision in --ov-kv (OpenVINO's CPU default quantises its KV cache
+to u8 whatever INFERENCE_PRECISION_HINT says; rlxrt's is float32). Repeats interleave the engines; medians of
+tokens/s are reported, as JSON and a table. Everything runs in-process (no HTTP) on the same cores.
 
     python scripts/batch_vs_openvino.py --target DIR --ov-model OV_DIR --ov-python /path/to/ovenv/bin/python \\
         --precision f32 --requests 8 --max-tokens 64 --repeats 3 [--head HEAD_DIR -k 3] --out results/batch-openvino
@@ -50,9 +51,10 @@ def rlxrt_sequential(session, prompts, max_tokens) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
-def openvino(args, ids_file: str) -> float:
+def openvino(args, ids_file: str, kv: str) -> float:
     out = subprocess.run([args.ov_python, str(Path(__file__).with_name("openvino_cb.py")), args.ov_model, ids_file,
-                          "--max-tokens", str(args.max_tokens), "--precision", args.precision],
+                          "--max-tokens", str(args.max_tokens), "--precision", args.precision,
+                          *(["--kv-precision", kv] if kv != "default" else [])],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["runs"][0]["tokens_per_second"]
 
@@ -65,6 +67,8 @@ def main() -> int:
     p.add_argument("--ov-model", required=True)
     p.add_argument("--ov-python", required=True)
     p.add_argument("--precision", default="f32")
+    p.add_argument("--ov-kv", default="f32,default",
+                   help="OpenVINO KV cache precisions to run, one engine each (default is its own: u8 on CPU)")
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
@@ -87,8 +91,9 @@ def main() -> int:
     json.dump(prompts, ids)
     ids.close()
     engines = {"rlxrt batch plain": lambda: rlxrt_batch(batch, lambda: None, config, prompts, args.max_tokens),
-               "rlxrt one after another": lambda: rlxrt_sequential(lone, prompts, args.max_tokens),
-               f"openvino-genai CB ({args.precision})": lambda: openvino(args, ids.name)}
+               "rlxrt one after another": lambda: rlxrt_sequential(lone, prompts, args.max_tokens)}
+    for kv in args.ov_kv.split(","):
+        engines[f"openvino-genai CB ({args.precision}, KV {kv})"] = lambda kv=kv: openvino(args, ids.name, kv)
     if args.head:
         engines[f"rlxrt batch mtp k={args.k}"] = lambda: rlxrt_batch(
             batch, lambda: MtpHead(args.head, one_thread), config, prompts, args.max_tokens, args.k)

@@ -6,7 +6,9 @@ Runs in a venv of its own (openvino-genai, optimum-intel), driven by scripts/bat
 
 The model directory is `optimum-cli export openvino --model HF_DIR --weight-format fp32|int4 OUT`. Greedy,
 EOS ignored, every prompt submitted at once; ``--precision`` sets INFERENCE_PRECISION_HINT (f32: true fp32
-arithmetic; bf16: OpenVINO's default on CPUs that have it).
+arithmetic; bf16: OpenVINO's default on CPUs that have it) and ``--kv-precision`` KV_CACHE_PRECISION (OpenVINO's
+CPU default is u8: the KV cache quantised to 8 bits whatever the inference precision; f32 for a true fp32
+comparison).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ def main() -> None:
     p.add_argument("--precision", default="f32")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--kv-precision", default="", help="KV_CACHE_PRECISION (default: OpenVINO's, u8 on CPU)")
     args = p.parse_args()
     import numpy as np
     import openvino as ov
@@ -33,6 +36,8 @@ def main() -> None:
     sched.cache_size = 2
     sched.max_num_seqs = max(len(prompts), 1)
     props = {"INFERENCE_PRECISION_HINT": args.precision}
+    if args.kv_precision:
+        props["KV_CACHE_PRECISION"] = args.kv_precision
     if args.threads:
         props["INFERENCE_NUM_THREADS"] = args.threads
     pipe = ov_genai.ContinuousBatchingPipeline(args.model, sched, "CPU", props)
@@ -47,6 +52,7 @@ def main() -> None:
         tokens = sum(len(r.m_generation_ids[0]) for r in results)
         runs.append({"tokens": tokens, "seconds": wall, "tokens_per_second": tokens / wall})
     print(json.dumps({"engine": "openvino-genai continuous batching", "precision": args.precision,
+                      "kv_precision": args.kv_precision or "default",
                       "version": ov_genai.__version__, "runs": runs}))
 
 
