@@ -16,8 +16,8 @@ import argparse
 import gc
 import statistics
 import sys
-import threading
-import time
+
+from batch_vs_openvino import generate_at_once
 
 
 def main() -> int:
@@ -58,19 +58,8 @@ def main() -> int:
         sessions = [Session(batch, build(kind, helper, one), every, **({"k": args.k} if kind != "none" else {}))
                     for _ in texts]
         prompts = [s.prompt_ids(t) for s, t in zip(sessions, texts)]
-        out: list = [None] * n
-
-        def one_session(i):
-            out[i] = sessions[i].generate(prompts[i], max_new_tokens=args.tokens, ignore_eos=True)
-
         steps = batch.steps
-        threads = [threading.Thread(target=one_session, args=(i,)) for i in range(n)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
+        out, wall = generate_at_once(sessions, prompts, args.tokens)
         rate = sum(len(o.token_ids) for o in out) / wall
         print(f"  {kind:<14} {rate:7.1f} tok/s  steps {batch.steps - steps:4d}  drafted "
               f"{sum(o.stats.drafted for o in out):5d}  accepted {sum(o.stats.accepted for o in out):5d}  "

@@ -24,14 +24,12 @@ from pathlib import Path
 from statistics import median
 
 
-def rlxrt_batch(batch, make_spec, config, prompts, max_tokens, k=None) -> float:
-    from rlxrt.sessions import Session
-
-    sessions = [Session(batch, make_spec(), config, **({"k": k} if k else {})) for _ in prompts]
-    counts = [0] * len(prompts)
+def generate_at_once(sessions, prompts, max_tokens) -> tuple[list, float]:
+    """Each Session generates for its prompt on its own thread, all at once: (the Generations, the wall time)."""
+    out: list = [None] * len(prompts)
 
     def one(i):
-        counts[i] = len(sessions[i].generate(prompts[i], max_new_tokens=max_tokens, ignore_eos=True).token_ids)
+        out[i] = sessions[i].generate(prompts[i], max_new_tokens=max_tokens, ignore_eos=True)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     t0 = time.perf_counter()
@@ -39,9 +37,16 @@ def rlxrt_batch(batch, make_spec, config, prompts, max_tokens, k=None) -> float:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
+    return out, time.perf_counter() - t0
+
+
+def rlxrt_batch(batch, make_spec, config, prompts, max_tokens, k=None) -> float:
+    from rlxrt.sessions import Session
+
+    sessions = [Session(batch, make_spec(), config, **({"k": k} if k else {})) for _ in prompts]
+    out, wall = generate_at_once(sessions, prompts, max_tokens)
     del sessions
-    return sum(counts) / wall
+    return sum(len(g.token_ids) for g in out) / wall
 
 
 def rlxrt_sequential(session, prompts, max_tokens) -> float:

@@ -414,8 +414,9 @@ class Slot(GraphModel):
         n = s if rows is None else min(rows, s)
         if n > K_MAX + 1:
             raise GenerationError(f"a batched slot returns at most {K_MAX + 1} rows of logits a call, {n} were asked")
-        for draft in self.leads:  # the round's drafting is done
-            draft.idle()
+        for draft in self.leads:  # the round's drafting is done (armed only by this slot's step, which is over)
+            if draft.active:
+                draft.idle()
         self.active = True
         t0 = time.perf_counter()
         self.batch.submit(self, np.asarray(tokens, np.int64), n)
