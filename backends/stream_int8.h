@@ -12,16 +12,22 @@
  * 4-bit: 32 bytes a group, byte i holding code i (low nibble) and code i + 32 (high). Scales [P, K / 32, 32].
  */
 #define QCHUNK 6
+#define UNPACKED_BYTES 65536 /* a panel of 4-bit codes unpacked, up to K = 2048 (on the stack) */
 
 typedef struct { const int8_t *q; const float *d; const int32_t *sums; } Quantised;
 
-/* a [M, K] as int8 blocks of 32 into q [M, K], d and sums [M, K / 32] */
-static void quantise(const float *a, int64_t M, int64_t K, int8_t *q, float *d, int32_t *sums) {
+/* a [M, K] as int8 blocks of 32 into q [M, K], d and sums [M, K / 32]; a block holding a NaN or an infinity
+ * gets d = NaN, so that its row's outputs are NaN rather than numbers made of nothing */
+static void generic_quantise(const float *a, int64_t M, int64_t K, int8_t *q, float *d, int32_t *sums) {
   for (int64_t i = 0; i < M * (K / 32); i++) {
     const float *x = a + i * 32;
     float top = 0.0f;
-    for (int j = 0; j < 32; j++) top = fabsf(x[j]) > top ? fabsf(x[j]) : top;
-    float scale = top / 127.0f, inverse = top > 0.0f ? 127.0f / top : 0.0f;
+    int finite = 1;
+    for (int j = 0; j < 32; j++) {
+      top = fabsf(x[j]) > top ? fabsf(x[j]) : top;
+      finite &= fabsf(x[j]) <= FLT_MAX;
+    }
+    float scale = finite ? top / 127.0f : NAN, inverse = finite && top > 0.0f ? 127.0f / top : 0.0f;
     int32_t total = 0;
     for (int j = 0; j < 32; j++) {
       int32_t v = (int32_t)nearbyintf(x[j] * inverse);
@@ -69,10 +75,10 @@ VNNI AI __m512i vnni_codes(const uint8_t *bytes, int bits) {
   return _mm512_and_si512(both, _mm512_set1_epi8(15));
 }
 
-VNNI AI void vnni_rows(int R, Quantised x, const uint8_t *c, const float *s, int bits, int64_t K, float *y,
-                       int64_t ldy) {
+/* rows r < R: codes at c in the layout of ``bits`` (4: two to a byte; 8: a byte each), their zero ``zero`` */
+VNNI AI void vnni_rows(int R, Quantised x, const uint8_t *c, const float *s, int bits, int32_t zero, int64_t K,
+                       float *y, int64_t ldy) {
   int64_t group_bytes = bits == 4 ? 32 : 64;
-  int32_t zero = bits == 4 ? 8 : 128;
   __m512 acc[QCHUNK][2];
   for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < K / 32; b++) {
@@ -101,22 +107,69 @@ VNNI AI void vnni_rows(int R, Quantised x, const uint8_t *c, const float *s, int
   }
 }
 
+/* generic_quantise with 16 floats at a time: the same maximum (a NaN skipped, as there), the same float32
+ * products, rounded to nearest even by the conversion (the default rounding, as nearbyintf), so the same q, d
+ * and sums bit for bit */
+VNNI static void vnni_quantise(const float *a, int64_t M, int64_t K, int8_t *q, float *d, int32_t *sums) {
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t i = 0; i < M * (K / 32); i++) {
+    __m512 x0 = _mm512_loadu_ps(a + i * 32), x1 = _mm512_loadu_ps(a + i * 32 + 16);
+    /* vmaxps returns its second operand where either is a NaN: the running maximum survives a NaN */
+    __m512 top_v = _mm512_max_ps(_mm512_abs_ps(x1), _mm512_max_ps(_mm512_abs_ps(x0), zero));
+    float top = _mm512_reduce_max_ps(top_v);
+    const __m512 most = _mm512_set1_ps(FLT_MAX);
+    int finite = !(_mm512_cmp_ps_mask(_mm512_abs_ps(x0), most, _CMP_NLE_UQ) |
+                   _mm512_cmp_ps_mask(_mm512_abs_ps(x1), most, _CMP_NLE_UQ)); /* none NaN or above FLT_MAX */
+    float scale = finite ? top / 127.0f : NAN, inverse = finite && top > 0.0f ? 127.0f / top : 0.0f;
+    __m512 inv = _mm512_set1_ps(inverse);
+    __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
+    _mm_storeu_si128((__m128i *)(q + i * 32), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128((__m128i *)(q + i * 32 + 16), _mm512_cvtepi32_epi8(q1));
+    d[i] = scale;
+    sums[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  }
+}
+
+/* a panel's 4-bit codes as bytes, quad by quad (the layout of 8-bit codes), so that many rows read them
+ * without each chunk of rows unpacking them again */
+VNNI static void vnni_unpack(const uint8_t *c, int64_t K, uint8_t *out) {
+  for (int64_t group = 0; group < K / 4 * 2; group++)
+    _mm512_storeu_si512(out + group * 64, vnni_codes(c + group * 32, 4));
+}
+
 VNNI static void vnni_qpanel(Quantised x, const uint8_t *c, const float *s, int bits, int64_t M, int64_t K,
                              float *y, int64_t ldy, int64_t width) {
   float tail[QCHUNK * PANEL];
+  _Alignas(64) uint8_t bytes[UNPACKED_BYTES];
+  int32_t zero = bits == 4 ? 8 : 128;
+  if (bits == 4 && M > QCHUNK && K * 32 <= (int64_t)sizeof bytes) { /* the same codes, unpacked once */
+    vnni_unpack(c, K, bytes);
+    c = bytes;
+    bits = 8;
+  }
   for (int64_t m = 0; m < M; m += QCHUNK) {
     int rows = (int)(M - m < QCHUNK ? M - m : QCHUNK);
     Quantised xm = {x.q + m * K, x.d + m * (K / 32), x.sums + m * (K / 32)};
     float *out = width == PANEL ? y + m * ldy : tail;
     int64_t ld = width == PANEL ? ldy : PANEL;
-    switch (rows) { /* constant row counts: the accumulators stay in registers */
-      case 1: vnni_rows(1, xm, c, s, bits, K, out, ld); break;
-      case 2: vnni_rows(2, xm, c, s, bits, K, out, ld); break;
-      case 3: vnni_rows(3, xm, c, s, bits, K, out, ld); break;
-      case 4: vnni_rows(4, xm, c, s, bits, K, out, ld); break;
-      case 5: vnni_rows(5, xm, c, s, bits, K, out, ld); break;
-      default: vnni_rows(6, xm, c, s, bits, K, out, ld); break;
-    }
+    if (bits == 4)
+      switch (rows) { /* constant row counts: the accumulators stay in registers */
+        case 1: vnni_rows(1, xm, c, s, 4, zero, K, out, ld); break;
+        case 2: vnni_rows(2, xm, c, s, 4, zero, K, out, ld); break;
+        case 3: vnni_rows(3, xm, c, s, 4, zero, K, out, ld); break;
+        case 4: vnni_rows(4, xm, c, s, 4, zero, K, out, ld); break;
+        case 5: vnni_rows(5, xm, c, s, 4, zero, K, out, ld); break;
+        default: vnni_rows(6, xm, c, s, 4, zero, K, out, ld); break;
+      }
+    else
+      switch (rows) {
+        case 1: vnni_rows(1, xm, c, s, 8, zero, K, out, ld); break;
+        case 2: vnni_rows(2, xm, c, s, 8, zero, K, out, ld); break;
+        case 3: vnni_rows(3, xm, c, s, 8, zero, K, out, ld); break;
+        case 4: vnni_rows(4, xm, c, s, 8, zero, K, out, ld); break;
+        case 5: vnni_rows(5, xm, c, s, 8, zero, K, out, ld); break;
+        default: vnni_rows(6, xm, c, s, 8, zero, K, out, ld); break;
+      }
     if (width < PANEL)
       for (int r = 0; r < rows; r++) memcpy(y + (m + r) * ldy, tail + r * PANEL, width * sizeof(float));
   }
@@ -124,17 +177,18 @@ VNNI static void vnni_qpanel(Quantised x, const uint8_t *c, const float *s, int 
 #endif
 
 typedef void (*QPanelFn)(Quantised, const uint8_t *, const float *, int, int64_t, int64_t, float *, int64_t, int64_t);
-typedef struct { QPanelFn panel; const char *name; } Int8Variant;
+typedef void (*QuantiseFn)(const float *, int64_t, int64_t, int8_t *, float *, int32_t *);
+typedef struct { QPanelFn panel; QuantiseFn quantise; const char *name; } Int8Variant;
 
 /* VNNI where the CPU has it (and RLXRT_CPU_KERNELS_ISA does not say generic), else generic C */
 static Int8Variant choose_int8(void) {
-  Int8Variant generic = {generic_qpanel, "generic"};
+  Int8Variant generic = {generic_qpanel, generic_quantise, "generic"};
   const char *isa = getenv("RLXRT_CPU_KERNELS_ISA");
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();
   if (!(isa && !strcmp(isa, "generic")) && __builtin_cpu_supports("avx512vnni") &&
       __builtin_cpu_supports("avx512bw"))
-    return (Int8Variant){vnni_qpanel, "avx512vnni"};
+    return (Int8Variant){vnni_qpanel, vnni_quantise, "avx512vnni"};
 #endif
   (void)isa;
   return generic;

@@ -7,6 +7,7 @@
  * pointers that only ever grows, and each slot below is its index in that table (onnxruntime_c_api.h, ORT
  * 1.17+); OrtCustomOp's layout is the header's, at struct version 16 (errors returned from KernelComputeV2).
  */
+#include <float.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -217,7 +218,7 @@ static Status *compute(void *kernel_data, void *context) {
     }
     float *d = (float *)((char *)scratch + M * K);
     int32_t *sums = (int32_t *)(d + M * K / 32);
-    quantise(job.a, M, K, (int8_t *)scratch, d, sums);
+    int8.quantise(job.a, M, K, (int8_t *)scratch, d, sums);
     job.x = (Quantised){scratch, d, sums};
   }
   size_t tasks = (size_t)((P + PANELS_PER_TASK - 1) / PANELS_PER_TASK);

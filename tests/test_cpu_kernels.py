@@ -1,6 +1,7 @@
 """rlxrt's CPU MatMul kernel (backends/stream_matmul.c, backends/cpu_kernels.py): the custom op against numpy in
 every vector width this CPU runs, a row's output the same alone or among others, the graph rewrite, the
 choice in compile(), the cache, typed errors, and exact speculation over rewritten exported graphs."""
+import hashlib
 import json
 import os
 import subprocess
@@ -175,7 +176,7 @@ def session(model, threads: int = 1):
 def check_kernel(threads: int) -> dict:
     """The kernel against float64 numpy for every shape and 0..14 rows, and each row alone (bitwise)."""
     rng = np.random.default_rng(threads)
-    worst = 0.0
+    worst, x8_outputs = 0.0, hashlib.sha256()
     for k, n in SHAPES:
         w = rng.standard_normal((k, n)).astype(np.float32)
         for rank in (2, 3):
@@ -218,20 +219,31 @@ def check_kernel(threads: int) -> dict:
                 zero = 128
             s = session(model, threads)
             assert [nd.op_type for nd in model.graph.node] == ["StreamMatMulQx8"]
-            for m in range(11):
+            for m in (*range(15), 40):  # 40: chunks of rows over codes unpacked once
                 x = rng.standard_normal((1, m, k)).astype(np.float32)
                 if m == 3:
                     x[0, 1] = 0  # a row of zeros quantises to zeros
+                if m == 40:
+                    x[0, 5, 7], x[0, 6, :] = np.nan, 0.5 * np.arange(k) - 9.5  # a NaN in its block; ties at .5
                 y = s.run(None, {"x": x})[0]
+                x8_outputs.update(y.tobytes())
                 assert y.shape == (1, m, n)
-                if m:
+                if m == 40:
+                    ok = np.ones(m, bool)
+                    ok[5] = False  # the NaN's row: no reference
+                    assert np.isnan(y[0, 5]).all()  # a NaN's block says so, not a finite number
+                    ref = int8_reference(x[0, ok], codes, scales, zero)
+                    worst = max(worst, float(np.abs(y[0, ok] - ref).max() / (np.abs(ref).max() + 1e-6)))
+                elif m:
                     ref = int8_reference(x[0], codes, scales, zero)
                     worst = max(worst, float(np.abs(y[0] - ref).max() / (np.abs(ref).max() + 1e-6)))
                 for r in range(m):
-                    assert np.array_equal(s.run(None, {"x": x[:, r:r + 1]})[0][0, 0], y[0, r]), ("x8", bits, k, n, m, r)
+                    alone = s.run(None, {"x": x[:, r:r + 1]})[0][0, 0]
+                    assert np.array_equal(alone, y[0, r], equal_nan=True), ("x8", bits, k, n, m, r)
     assert worst < 1e-5, worst
     assert check_attention(threads, rng) < 1e-5
-    return {"isa": cpu_kernels.isa(), "int8_isa": cpu_kernels.int8_isa(), "worst": worst}
+    return {"isa": cpu_kernels.isa(), "int8_isa": cpu_kernels.int8_isa(), "worst": worst,
+            "x8_outputs": x8_outputs.hexdigest()}
 
 
 def isas() -> list[str]:
@@ -249,6 +261,21 @@ def test_every_vector_width_matches_numpy_and_computes_a_row_the_same_alone(isa)
         assert out.returncode == 0, out.stderr[-3000:]
         got = json.loads(out.stdout.strip().splitlines()[-1])
         assert got["isa"] == isa and got["worst"] < 1e-5
+
+
+def test_the_int8_activation_kernel_computes_the_same_bits_in_c_and_with_vnni():
+    """The generic C and the VNNI variants (its vectorised quantisation, its codes unpacked once for many rows)
+    give the same outputs, bit for bit, at each thread count."""
+    runs = {}
+    for isa in ("generic", "avx512"):
+        env = {**os.environ, "RLXRT_CPU_KERNELS_ISA": isa}
+        out = subprocess.run([sys.executable, __file__, "1"], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[isa] = json.loads(out.stdout.strip().splitlines()[-1])
+    if runs["avx512"]["int8_isa"] != "avx512vnni":
+        pytest.skip("this CPU has no AVX-512 VNNI: only the generic int8 kernel runs")
+    assert runs["generic"]["int8_isa"] == "generic"
+    assert runs["generic"]["x8_outputs"] == runs["avx512"]["x8_outputs"]
 
 
 def test_which_matmulnbits_the_kernel_takes():
