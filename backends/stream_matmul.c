@@ -113,6 +113,15 @@ static void task(void *data, size_t i) {
   }
 }
 
+/* the activations of rows [16 i, 16 i + 16) quantised (each row on its own, so any split gives the same bits) */
+#define QUANTISE_ROWS 16
+static void quantise_task(void *data, size_t i) {
+  const Job *j = data;
+  int64_t first = (int64_t)i * QUANTISE_ROWS, rows = j->M - first < QUANTISE_ROWS ? j->M - first : QUANTISE_ROWS;
+  int8.quantise(j->a + first * j->K, rows, j->K, (int8_t *)j->x.q + first * j->K, (float *)j->x.d + first * (j->K / 32),
+                (int32_t *)j->x.sums + first * (j->K / 32));
+}
+
 /* ---- the custom op ----------------------------------------------------------------------------------- */
 
 typedef struct { Api api; int64_t n, bits; int kind; } Kernel;
@@ -218,11 +227,13 @@ static Status *compute(void *kernel_data, void *context) {
     }
     float *d = (float *)((char *)scratch + M * K);
     int32_t *sums = (int32_t *)(d + M * K / 32);
-    int8.quantise(job.a, M, K, (int8_t *)scratch, d, sums);
     job.x = (Quantised){scratch, d, sums};
+    size_t parts = (size_t)((M + QUANTISE_ROWS - 1) / QUANTISE_ROWS);
+    if (parts > 1) s = CALL(api, KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(context, quantise_task, parts, 0, &job);
+    else int8.quantise(job.a, M, K, (int8_t *)scratch, d, sums);
   }
   size_t tasks = (size_t)((P + PANELS_PER_TASK - 1) / PANELS_PER_TASK);
-  s = CALL(api, KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(context, task, tasks, 0, &job);
+  if (!s) s = CALL(api, KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(context, task, tasks, 0, &job);
   if (scratch && scratch != small) free(scratch);
   if (padded && padded != small_padded) free(padded);
   return s;
