@@ -198,9 +198,10 @@ class Batch:
         guard = self.guard(sum(s.active for s in self._all))
         drafting = guard.drafting  # the mode the slots planned this step's rounds in
         t, r, parts = 0, 0, []
+        chunk = self._chunk(taking)
         for n, s in enumerate(taking):
             left = len(s.pending) - s.fed  # a prompt goes in chunks; the last holds every row wanted
-            count = left if left <= max(self.chunk, s.want) else min(self.chunk, left - s.want)
+            count = left if left <= max(chunk, s.want) else min(chunk, left - s.want)
             last = s.fed + count == len(s.pending)
             want = min(s.want, count) if last else 0
             self._ids[0, t:t + count] = s.pending[s.fed:s.fed + count]
@@ -241,6 +242,14 @@ class Batch:
                 self._replan()
         self._ended = time.perf_counter()
         self._cond.notify_all()
+
+    def _chunk(self, taking: list["Slot"]) -> int:
+        """The most prompt tokens a slot feeds this step: ``chunk`` where some sequence is past its prompt (its
+        next token waits for the step), else an equal share of all the step can hold, so that prompts alone in
+        the batch go in fewer, fuller steps (each step reads every weight once)."""
+        if any(not s.fresh for s in self._all if s.active or s.pending is not None):
+            return self.chunk
+        return max(self.chunk, len(self._positions) // len(taking))
 
     def _account(self, clean: bool, guard: Guard, drafting: bool, drafted: int, gap: float, seconds: float,
                  caught_up: bool) -> None:

@@ -212,6 +212,30 @@ def test_a_slot_that_never_hands_in_does_not_stall_the_others():
         held.close()
 
 
+def test_a_prompt_alone_goes_in_full_steps_and_beside_a_decoding_sequence_in_chunks():
+    batch = Batch(TARGET, CFG, slots=4, chunk=4, calibrate=False)
+    lone = Session(TARGET, None, CFG)
+    prompt = lone.prompt_ids(CODE * 3)
+    assert len(prompt) > batch.width
+    session = Session(batch, None, CFG)
+    before = batch.steps
+    got = session.generate(prompt, max_new_tokens=1)
+    full = 4 * batch.width  # all a step holds
+    fed = len(prompt) - 1  # the Session feeds the last prompt token with its first round
+    assert batch.steps - before == -(-fed // full) + 1 < -(-fed // 4) + 1
+    assert got.token_ids == lone.generate(prompt, max_new_tokens=1).token_ids
+    decoding, fresh = batch.slot(), batch.slot()
+    try:
+        decoding.reset()
+        fresh.reset()
+        assert batch._chunk([fresh]) == full // 1 and batch._chunk([decoding, fresh]) == full // 2
+        decoding.fresh = False  # past its prompt: its next token waits for every step
+        assert batch._chunk([fresh]) == batch._chunk([decoding, fresh]) == 4
+    finally:
+        batch.release(decoding)
+        batch.release(fresh)
+
+
 def test_slots_are_bounded_and_given_back():
     batch = Batch(TARGET, CFG, slots=1, calibrate=False)
     first = Session(batch, None, CFG)
