@@ -21,6 +21,19 @@
  * time for K >= 256 and slower for K = 128 (docs/kernels.md) */
 #define AI static inline __attribute__((always_inline))
 
+/* a float panel's room for this thread, grown once to the widest K it met (NULL where memory ran out: the
+ * caller then dequantises as it goes) */
+static float *panel_scratch(int64_t floats) {
+  static __thread float *room;
+  static __thread int64_t held;
+  if (floats > held) {
+    float *grown = realloc(room, (size_t)floats * sizeof(float));
+    if (!grown) return NULL;
+    room = grown, held = floats;
+  }
+  return room;
+}
+
 #define VARIANT(NAME, V, TARGET, ROWS)                                                                       \
   typedef float NAME##_vec __attribute__((vector_size(V * 4)));                                              \
   typedef int32_t NAME##_ivec __attribute__((vector_size(V * 4)));                                           \
@@ -115,20 +128,35 @@
     }                                                                                                        \
     NAME##_store(R, lo, hi, y, ldy);                                                                         \
   }                                                                                                          \
-  /* panels [first, last) of y for all M rows; codes and scales NULL for float panels at w */                \
+  /* an int4 panel (codes c, scales s) as the float panel the q4 rows multiply by, value for value */        \
+  TARGET static void NAME##_dequant_panel(const uint8_t *c, const float *s, int64_t K, float *out) {          \
+    for (int64_t k = 0; k < K; k++)                                                                          \
+      for (int col = 0; col < PANEL; col += V) {                                                             \
+        NAME##_vec w = NAME##_dequant(c + 16 * k, col, NAME##_load(s + k / 32 * PANEL + col));               \
+        memcpy(out + k * PANEL + col, &w, sizeof w);                                                         \
+      }                                                                                                      \
+  }                                                                                                          \
+  /* panels [first, last) of y for all M rows; codes and scales NULL for float panels at w. An int4 panel     \
+   * that more rows than a chunk read is dequantised once, into this thread's scratch */                     \
   TARGET static void NAME##_panels(const float *a, const float *w, const uint8_t *codes, const float *scales, \
                                    float *y, int64_t M, int64_t K, int64_t N, int64_t first, int64_t last) { \
     float tail[CHUNK * PANEL];                                                                               \
     if (!codes && M == 1 && K >= WIDE_MIN_K) first = NAME##_wide_panels(a, w, y, K, N, first, last);         \
     for (int64_t p = first; p < last; p++) {                                                                 \
       int64_t col = p * PANEL, width = N - col < PANEL ? N - col : PANEL;                                    \
+      const float *wp = codes ? NULL : w + p * K * PANEL;                                                    \
+      float *room = codes && M > ROWS ? panel_scratch(K * PANEL) : NULL;                                     \
+      if (room) {                                                                                            \
+        NAME##_dequant_panel(codes + p * K * 16, scales + p * (K / 32) * PANEL, K, room);                    \
+        wp = room;                                                                                           \
+      }                                                                                                      \
       for (int64_t m = 0; m < M; m += ROWS) {                                                                \
         int rows = (int)(M - m < ROWS ? M - m : ROWS);                                                       \
         float *out = width == PANEL ? y + m * N + col : tail;                                                \
         int64_t ldy = width == PANEL ? N : PANEL;                                                            \
         const float *am = a + m * K;                                                                         \
         for (int strip = 0; strip < PANEL; strip += 2 * V) {                                                 \
-          if (codes) {                                                                                       \
+          if (!wp) {                                                                                         \
             const uint8_t *c = codes + p * K * 16;                                                           \
             const float *s = scales + p * (K / 32) * PANEL;                                                  \
             switch (rows) { /* constant row counts: the accumulators stay in registers */                    \
@@ -146,7 +174,7 @@
               default: NAME##_q4rows(ROWS, am, c, s, strip, K, out + strip, ldy); break;                     \
             }                                                                                                \
           } else {                                                                                           \
-            const float *ws = w + p * K * PANEL + strip;                                                     \
+            const float *ws = wp + strip;                                                                    \
             switch (rows) {                                                                                  \
               case 1: NAME##_rows(1, am, ws, K, out + strip, ldy); break;                                    \
               case 2: NAME##_rows(2, am, ws, K, out + strip, ldy); break;                                    \
