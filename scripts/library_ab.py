@@ -1,12 +1,13 @@
 """Two builds of rlxrt's kernel library on the same compiled graph, side by side in one process.
 
     python scripts/library_ab.py MODEL_DIR OLD.so NEW.so [--contexts 8,180,900] [--rows 1,5] [--repeats 15]
+                                 [--threads 1] [--calls 40]
 
 For a kernel change: keep a copy of the library before it (``backends/_stream_matmul*.so``), rebuild
 (``python setup.py build_ext --inplace --force``), and pass both. MODEL_DIR is a fused graph; it is compiled once
 with rlxrt's kernels (``cpu_kernels = rlxrt``), and that rewritten graph is loaded into two sessions, one per
-library, each with its own KV buffers. For each context length and row count, each repeat times 40 calls on
-one library and then on the other; printed are the medians (microseconds a call) and new / old.
+library, each with its own KV buffers. For each context length and row count, each repeat times ``--calls`` calls
+on one library and then on the other; printed are the medians (microseconds a call) and new / old.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import argparse
 import time
 
 
-def sessions(model: str, libraries: list[str]):
+def sessions(model: str, libraries: list[str], threads: int = 1):
     import numpy as np
     import onnxruntime as ort
 
@@ -27,7 +28,7 @@ def sessions(model: str, libraries: list[str]):
     kv, made = g.manifest.kv_cache, []
     for library in libraries:
         opts = ort.SessionOptions()
-        opts.intra_op_num_threads = 1
+        opts.intra_op_num_threads = threads
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the cache's graph is optimised
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         opts.register_custom_ops_library(library)
@@ -55,8 +56,10 @@ def main() -> None:
     p.add_argument("--contexts", default="8,180,900")
     p.add_argument("--rows", default="1,5")
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads of both sessions")
+    p.add_argument("--calls", type=int, default=40, help="calls a repeat times on each library")
     a = p.parse_args()
-    manifest, made = sessions(a.model, [a.old, a.new])
+    manifest, made = sessions(a.model, [a.old, a.new], a.threads)
     inputs = manifest.inputs
 
     def prepare(s, binding, rows: int, context: int) -> None:
@@ -81,9 +84,9 @@ def main() -> None:
                 for which, (s, binding, _) in enumerate(made):
                     prepare(s, binding, rows, context)
                     start = time.perf_counter()
-                    for _ in range(40):
+                    for _ in range(a.calls):
                         s.run_with_iobinding(binding)
-                    times[which].append((time.perf_counter() - start) / 40 * 1e6)
+                    times[which].append((time.perf_counter() - start) / a.calls * 1e6)
             old, new = (float(np.median(t)) for t in times)
             print(f"context {context:5d}, {rows} rows: old {old:8.1f} us, new {new:8.1f} us, new/old {new / old:.3f}")
 
