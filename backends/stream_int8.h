@@ -86,7 +86,9 @@ VNNI AI void vnni_rows(int R, Quantised x, const uint8_t *c, const float *s, int
     for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
     for (int quad = 0; quad < 8; quad++)
       for (int g = 0; g < 2; g++) {
-        __m512i codes = vnni_codes(c + ((b * 8 + quad) * 2 + g) * group_bytes, bits);
+        const uint8_t *at = c + ((b * 8 + quad) * 2 + g) * group_bytes;
+        __builtin_prefetch(at + 64 * AHEAD, 0, 3);
+        __m512i codes = vnni_codes(at, bits);
         for (int r = 0; r < R; r++) {
           int32_t four;
           memcpy(&four, x.q + r * K + b * 32 + quad * 4, 4);

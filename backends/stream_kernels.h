@@ -17,6 +17,9 @@
 #define CHUNK 12 /* the most rows of any variant */
 #define WIDE 4 /* strips of 2V columns a lone row takes at once */
 #define WIDE_MIN_K 256
+#ifndef AHEAD
+#define AHEAD 24
+#endif
 /* ... where K is at least this: a lone row over 4 strips at once took less time than one strip at a
  * time for K >= 256 and slower for K = 128 (docs/kernels.md) */
 #define AI static inline __attribute__((always_inline))
@@ -62,6 +65,8 @@ static float *panel_scratch(int64_t floats) {
     NAME##_vec lo[CHUNK], hi[CHUNK];                                                                         \
     for (int r = 0; r < R; r++) lo[r] = hi[r] = (NAME##_vec){0};                                             \
     for (int64_t k = 0; k < K; k++) {                                                                        \
+      __builtin_prefetch(w + PANEL * (k + AHEAD), 0, 3);                                                    \
+      __builtin_prefetch(w + PANEL * (k + AHEAD) + V, 0, 3);                                                \
       NAME##_vec w0 = NAME##_load(w + PANEL * k), w1 = NAME##_load(w + PANEL * k + V);                       \
       for (int r = 0; r < R; r++) {                                                                          \
         float x = a[r * K + k];                                                                              \
@@ -118,6 +123,7 @@ static float *panel_scratch(int64_t floats) {
     for (int64_t b = 0; b < K / 32; b++) {                                                                   \
       NAME##_vec s0 = NAME##_load(s + b * PANEL + col), s1 = NAME##_load(s + b * PANEL + col + V);           \
       for (int64_t k = b * 32; k < b * 32 + 32; k++) {                                                       \
+        __builtin_prefetch(c + 16 * (k + 4 * AHEAD), 0, 3); /* the same bytes ahead as a float row's */     \
         NAME##_vec w0 = NAME##_dequant(c + 16 * k, col, s0), w1 = NAME##_dequant(c + 16 * k, col + V, s1);   \
         for (int r = 0; r < R; r++) {                                                                        \
           float x = a[r * K + k];                                                                            \
