@@ -297,33 +297,6 @@ typedef Status *(*AttrFloatFn)(const void *, const char *, float *);
 
 static HeadFn attention_head;
 
-/* per-thread buffers, grown once (the decode loop allocates nothing) and freed when their thread ends */
-typedef struct { float *data; size_t len; } Scratch;
-static _Thread_local Scratch scores_scratch, queries_scratch;
-#if !defined(_WIN32)
-static pthread_key_t scratch_key; /* its value: this thread's scratch, to free at the thread's exit */
-static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
-static void free_scratch(void *unused) {
-  (void)unused;
-  free(scores_scratch.data), free(queries_scratch.data);
-  scores_scratch = queries_scratch = (Scratch){NULL, 0};
-}
-static void make_scratch_key(void) { pthread_key_create(&scratch_key, free_scratch); }
-#endif
-
-static float *scratch(Scratch *buf, size_t floats) {
-  if (floats > buf->len) {
-    float *grown = realloc(buf->data, floats * sizeof(float));
-    if (!grown) return NULL;
-    buf->data = grown, buf->len = floats;
-#if !defined(_WIN32)
-    pthread_once(&scratch_once, make_scratch_key);
-    pthread_setspecific(scratch_key, buf); /* any non-NULL value: the destructor runs at thread exit */
-#endif
-  }
-  return buf->data;
-}
-
 typedef struct { const Attention *t; int failed; } AttentionJob;
 
 static void attention_task(void *data, size_t group) {

@@ -24,17 +24,31 @@
  * time for K >= 256 and slower for K = 128 (docs/kernels.md) */
 #define AI static inline __attribute__((always_inline))
 
-/* a float panel's room for this thread, grown once to the widest K it met (NULL where memory ran out: the
- * caller then dequantises as it goes) */
-static float *panel_scratch(int64_t floats) {
-  static __thread float *room;
-  static __thread int64_t held;
-  if (floats > held) {
-    float *grown = realloc(room, (size_t)floats * sizeof(float));
+/* per-thread buffers, grown once (the decode loop allocates nothing) and freed when their thread ends */
+typedef struct { float *data; size_t len; } Scratch;
+static _Thread_local Scratch scores_scratch, queries_scratch, panel_scratch;
+#if !defined(_WIN32)
+static pthread_key_t scratch_key; /* its value: this thread's scratch, to free at the thread's exit */
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+static void free_scratch(void *unused) {
+  (void)unused;
+  free(scores_scratch.data), free(queries_scratch.data), free(panel_scratch.data);
+  scores_scratch = queries_scratch = panel_scratch = (Scratch){NULL, 0};
+}
+static void make_scratch_key(void) { pthread_key_create(&scratch_key, free_scratch); }
+#endif
+
+static float *scratch(Scratch *buf, size_t floats) {
+  if (floats > buf->len) {
+    float *grown = realloc(buf->data, floats * sizeof(float));
     if (!grown) return NULL;
-    room = grown, held = floats;
+    buf->data = grown, buf->len = floats;
+#if !defined(_WIN32)
+    pthread_once(&scratch_once, make_scratch_key);
+    pthread_setspecific(scratch_key, buf); /* any non-NULL value: the destructor runs at thread exit */
+#endif
   }
-  return room;
+  return buf->data;
 }
 
 #define VARIANT(NAME, V, TARGET, ROWS)                                                                       \
@@ -151,7 +165,7 @@ static float *panel_scratch(int64_t floats) {
     for (int64_t p = first; p < last; p++) {                                                                 \
       int64_t col = p * PANEL, width = N - col < PANEL ? N - col : PANEL;                                    \
       const float *wp = codes ? NULL : w + p * K * PANEL;                                                    \
-      float *room = codes && M > ROWS ? panel_scratch(K * PANEL) : NULL;                                     \
+      float *room = codes && M > ROWS ? scratch(&panel_scratch, (size_t)(K * PANEL)) : NULL;                 \
       if (room) {                                                                                            \
         NAME##_dequant_panel(codes + p * K * 16, scales + p * (K / 32) * PANEL, K, room);                    \
         wp = room;                                                                                           \
