@@ -17,11 +17,11 @@
 #define CHUNK 12 /* the most rows of any variant */
 #define WIDE 4 /* strips of 2V columns a lone row takes at once */
 #define WIDE_MIN_K 256
-#ifndef AHEAD
-#define AHEAD 24
-#endif
 /* ... where K is at least this: a lone row over 4 strips at once took less time than one strip at a
  * time for K >= 256 and slower for K = 128 (docs/kernels.md) */
+#ifndef AHEAD
+#define AHEAD 24 /* weight rows a chunk of rows prefetches ahead of the one it multiplies by (docs/kernels.md) */
+#endif
 #define AI static inline __attribute__((always_inline))
 
 /* per-thread buffers, grown once (the decode loop allocates nothing) and freed when their thread ends */

@@ -118,8 +118,9 @@ static void task(void *data, size_t i) {
 static void quantise_task(void *data, size_t i) {
   const Job *j = data;
   int64_t first = (int64_t)i * QUANTISE_ROWS, rows = j->M - first < QUANTISE_ROWS ? j->M - first : QUANTISE_ROWS;
-  int8.quantise(j->a + first * j->K, rows, j->K, (int8_t *)j->x.q + first * j->K, (float *)j->x.d + first * (j->K / 32),
-                (int32_t *)j->x.sums + first * (j->K / 32));
+  int64_t blocks = first * (j->K / 32);
+  int8.quantise(j->a + first * j->K, rows, j->K, (int8_t *)j->x.q + first * j->K, (float *)j->x.d + blocks,
+                (int32_t *)j->x.sums + blocks);
 }
 
 /* ---- the custom op ----------------------------------------------------------------------------------- */
