@@ -182,6 +182,70 @@ def test_bench_serve_and_soak_commands(tmp_path):
     assert soak["replayed_alone"] == 24 - soak["closed_early_by_client"] and soak["workers_idle_after"]
 
 
+@pytest.mark.slow
+def test_bench_serve_measures_an_external_server_beside_its_own(tmp_path):
+    """``--external NAME=URL``: a server already running (here another rlxrt server, as llama.cpp's would be) is
+    sent the same requests, in the same interleaved order, and reported as its own plain."""
+    import json
+
+    port = free_port()
+    other = _start("--speculator", "none", "--engine", "pool", "--workers", "1", "--log-level", "error", port=port)
+    try:
+        _wait_healthy(other, port, 120)
+        out = tmp_path / "b"
+        run = subprocess.run([sys.executable, "-m", "rlxrt", "bench-serve", "--engines", "batch", "--concurrency", "1,2",
+                              "--requests", "2", "--max-tokens", "8", "--repeats", "1", "--out", str(out),
+                              "--external", f"other=http://127.0.0.1:{port}/v1"],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+    finally:
+        other.send_signal(signal.SIGTERM)
+        other.wait(60)
+    report = json.loads((out / "bench-serve.json").read_text())
+    assert set(report["rows"]) == {"batch plain", "batch draft k=2", "other"}
+    assert report["config"]["external"] == [f"other=http://127.0.0.1:{port}/v1"]
+    row = report["rows"]["other"]["2"]
+    assert row["tokens_per_second"] > 0 and row["vs_plain"] == 1.0 and row["speedup"] > 0
+    assert "| other | 2 |" in run.stdout
+
+
+@pytest.mark.parametrize("spec", ["llamacpp", "=http://x", "llamacpp=ftp://x", "a=b"])
+def test_a_bad_external_server_is_refused_with_the_form(spec):
+    from rlxrt.app.serve.loadgen import ExternalServer
+    from rlxrt.errors import UsageError
+
+    with pytest.raises(UsageError, match="NAME=URL") as err:
+        ExternalServer(spec)
+    assert repr(spec) in str(err.value)
+
+
+def test_tokens_of_a_stream_without_usage_are_counted_from_its_finish():
+    """A server that streams no usage (as some do): a request stopped at its length counts every token asked
+    for; one that stopped earlier counts a token a chunk."""
+    import asyncio
+    import json
+
+    import httpx
+
+    from rlxrt.app.serve.loadgen import one_request
+
+    def server(finish):
+        def reply(request):
+            chunks = [{"choices": [{"text": t, "finish_reason": None}]} for t in ("a", "b", "c")]
+            chunks[-1]["choices"][0]["finish_reason"] = finish
+            body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+            return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+        return httpx.MockTransport(reply)
+
+    async def ask(finish):
+        async with httpx.AsyncClient(transport=server(finish)) as client:
+            return await one_request(client, "http://x", {"prompt": "p", "max_tokens": 5, "stream": True})
+
+    done, stopped = asyncio.run(ask("length")), asyncio.run(ask("stop"))
+    assert (done.tokens, done.text, done.finish) == (5, "abc", "length")
+    assert (stopped.tokens, stopped.finish) == (3, "stop")
+
+
 def test_ray_proxy_that_misses_its_readiness_check_is_started_again_then_a_typed_error():
     pytest.importorskip("ray")
     from ray.exceptions import RayActorError

@@ -4,6 +4,8 @@ nothing is lost (every greedy or seeded answer equals the same request served al
 
 Each server runs in its own process (``rlxrt serve``), started here on a free port; the clients are one asyncio
 loop in this process (httpx), so the numbers include HTTP, JSON and SSE, as a user of the server sees them.
+``--external NAME=URL`` adds an OpenAI-compatible server already running (llama.cpp's ``llama-server``, say),
+sent the same requests in the same interleaved order.
 """
 from __future__ import annotations
 
@@ -45,6 +47,9 @@ def add_bench_serve(add, model_flags) -> None:
     p.add_argument("--ks", help="draft lengths to compare, one speculative server each (e.g. 2,3,4; default: -k)")
     p.add_argument("--soak", type=int, help="instead: a soak run of N mixed requests on the speculative server")
     p.add_argument("--seed", type=int, default=0, help="soak: the mix's random seed")
+    p.add_argument("--external", action="append", default=[], metavar="NAME=URL",
+                   help="an OpenAI-compatible server already running (e.g. llama.cpp's llama-server), measured "
+                        "beside rlxrt's with the same requests; repeatable")
     p.add_argument("--out", default="bench-serve-out", help="directory for bench-serve.json and bench-serve.png")
 
 
@@ -89,6 +94,34 @@ class ServerProcess:
             self.proc.kill()
 
 
+class ExternalServer:
+    """A server this command did not start (``--external NAME=URL``): measured, never stopped."""
+
+    def __init__(self, spec: str):
+        name, sep, url = spec.partition("=")
+        url = url.rstrip("/").removesuffix("/v1")
+        if not sep or not name.strip() or not url.startswith(("http://", "https://")):
+            raise UsageError(f"--external takes NAME=URL with an http(s) URL (e.g. llamacpp=http://127.0.0.1:8080); "
+                             f"got {spec!r}")
+        self.label, self.url = name.strip(), url
+
+    def wait_ready(self, seconds: float = 120) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            for path in ("/v1/models", "/health"):
+                try:
+                    with urllib.request.urlopen(f"{self.url}{path}", timeout=2):
+                        return
+                except OSError:
+                    pass
+            time.sleep(0.5)
+        raise RlxrtError(f"the external server {self.label!r} at {self.url} answered neither /v1/models nor "
+                         f"/health within {seconds} s; start it first, or fix --external")
+
+    def stop(self) -> None:
+        """Not ours to stop."""
+
+
 # -- clients ----------------------------------------------------------------------------------------------------
 @dataclass
 class Result:
@@ -129,7 +162,10 @@ async def one_request(client, url: str, body: dict, cancel_after: int | None = N
             chunks += 1
             if cancel_after is not None and chunks >= cancel_after:
                 return Result("".join(text), 0, ttft, time.perf_counter() - start, None, None, cancelled=True)
-    tokens = usage["completion_tokens"] if usage else 0
+    if usage:
+        tokens = usage["completion_tokens"]
+    else:  # a server that streams no usage: every token asked for where it stopped at the length, else a chunk each
+        tokens = body["max_tokens"] if finish == "length" else sum(1 for t in text if t)
     return Result("".join(text), tokens, ttft, time.perf_counter() - start, finish, usage)
 
 
@@ -224,6 +260,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     engines = [e for e in args.engines.split(",") if e]
     if not engines or any(e not in ("pool", "batch") for e in engines):
         raise UsageError(f"--engines takes pool and/or batch, comma-separated; got {args.engines!r}")
+    externals = [ExternalServer(spec) for spec in args.external]
+    if len({e.label for e in externals}) < len(externals):
+        raise UsageError(f"--external names must differ; got {', '.join(e.label for e in externals)}")
     _, spec_flags, name = _server_flags(args, ks[0], engine=engines[-1], slots=max(levels))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -247,6 +286,11 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                     servers[f"{label} adaptive"] = ServerProcess(flags(k, True)[1], f"{label} adaptive")
             for s in servers.values():  # one engine's servers load at a time: the cores are few
                 s.wait_ready()
+        for e in externals:
+            if e.label in servers:
+                raise UsageError(f"--external name {e.label!r} is one of rlxrt's servers; choose another")
+            e.wait_ready()
+            servers[e.label] = e
         runs: dict[str, dict[int, list[dict]]] = {k: {c: [] for c in levels} for k in servers}
         for s in servers.values():  # warm-up: first runs of each graph
             asyncio.run(run_batch(s.url, _bodies(prompts, 2 * max(levels), 16), max(levels)))
@@ -278,12 +322,14 @@ def _report(args, levels, runs, name, ks) -> dict[str, Any]:
         rows[label] = {str(c): {k: round(median(r[k] for r in per[c]), 4) for k in per[c][0]} for c in levels}
     first = next(iter(rows))  # the first engine's plain server: the baseline
     for label in rows:
-        plain = f"{label.split()[0]} plain"
+        plain = f"{label.split()[0]} plain"  # an external server is its own plain
+        plain = plain if plain in rows else label
         for c in levels:
             row = rows[label][str(c)]
             row["speedup"] = round(row["tokens_per_second"] / rows[first][str(c)]["tokens_per_second"], 3)
             row["vs_plain"] = round(row["tokens_per_second"] / rows[plain][str(c)]["tokens_per_second"], 3)
-    return {"config": {"engines": args.engines, "baseline": first, "batch_sequences": max(levels),
+    return {"config": {"engines": args.engines, "external": list(args.external), "baseline": first,
+                       "batch_sequences": max(levels),
                        "workers": args.workers, "threads_per_worker": args.threads, "requests": args.requests,
                        "max_tokens": args.max_tokens, "repeats": args.repeats, "cpu_count": os.cpu_count(),
                        "target": args.target or "shipped reference target", "speculator": name,
