@@ -246,6 +246,37 @@ def test_tokens_of_a_stream_without_usage_are_counted_from_its_finish():
     assert (stopped.tokens, stopped.finish) == (3, "stop")
 
 
+@pytest.mark.parametrize("failures", [1, 2])
+def test_a_request_on_a_connection_the_server_closed_is_sent_once_more_and_no_more(failures, monkeypatch):
+    """llama.cpp's server closes a kept-alive connection after 5 requests; the load generator sends a request
+    that met such a connection again, once: a server that keeps failing still fails the run."""
+    import asyncio
+
+    import httpx
+
+    from rlxrt.app.serve.loadgen import run_batch
+
+    calls = []
+
+    def reply(request):
+        calls.append(request)
+        if len(calls) <= failures:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return httpx.Response(200, json={"choices": [{"text": "ab", "finish_reason": "length"}],
+                                         "usage": {"completion_tokens": 2}})
+
+    real = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: real(transport=httpx.MockTransport(reply), **kw))
+    bodies = [{"prompt": "p", "max_tokens": 2}]
+    if failures == 1:
+        results, _ = asyncio.run(run_batch("http://x", bodies, 1))
+        assert [r.tokens for r in results] == [2]
+    else:
+        with pytest.raises(httpx.RemoteProtocolError):
+            asyncio.run(run_batch("http://x", bodies, 1))
+    assert len(calls) == 2
+
+
 def test_ray_proxy_that_misses_its_readiness_check_is_started_again_then_a_typed_error():
     pytest.importorskip("ray")
     from ray.exceptions import RayActorError

@@ -177,7 +177,10 @@ async def run_batch(url: str, bodies: list[dict], concurrency: int) -> tuple[lis
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         async def go(body):
             async with sem:
-                return await one_request(client, url, body)
+                try:
+                    return await one_request(client, url, body)
+                except httpx.RemoteProtocolError:  # a kept-alive connection the server had closed (llama.cpp's
+                    return await one_request(client, url, body)  # closes one after 5 requests): once more
 
         start = time.perf_counter()
         results = await asyncio.gather(*(go(b) for b in bodies))
