@@ -335,7 +335,8 @@ def _report(args, levels, runs, name, ks) -> dict[str, Any]:
                        "batch_sequences": max(levels),
                        "workers": args.workers, "threads_per_worker": args.threads, "requests": args.requests,
                        "max_tokens": args.max_tokens, "repeats": args.repeats, "cpu_count": os.cpu_count(),
-                       "target": args.target or "shipped reference target", "speculator": name,
+                       "target": Path(args.target).name if args.target else "shipped reference target",
+                       "speculator": name,
                        "ks": [k or (2 if model_of(name) else 4) for k in ks], "adaptive_k": args.adaptive_k},
             "rows": rows, "note": "medians over interleaved repeats; tokens/s is all clients' tokens over wall time"}
 
