@@ -139,6 +139,20 @@ VNNI static void vnni_unpack(const uint8_t *c, int64_t K, uint8_t *out) {
     _mm512_storeu_si512(out + group * 64, vnni_codes(c + group * 32, 4));
 }
 
+/* vnni_rows with the row count, and (inlined where ``bits`` is a constant) the layout, known to the compiler:
+ * the accumulators stay in registers */
+VNNI AI void vnni_chunk(int rows, Quantised x, const uint8_t *c, const float *s, int bits, int32_t zero, int64_t K,
+                        float *y, int64_t ldy) {
+  switch (rows) {
+    case 1: vnni_rows(1, x, c, s, bits, zero, K, y, ldy); break;
+    case 2: vnni_rows(2, x, c, s, bits, zero, K, y, ldy); break;
+    case 3: vnni_rows(3, x, c, s, bits, zero, K, y, ldy); break;
+    case 4: vnni_rows(4, x, c, s, bits, zero, K, y, ldy); break;
+    case 5: vnni_rows(5, x, c, s, bits, zero, K, y, ldy); break;
+    default: vnni_rows(6, x, c, s, bits, zero, K, y, ldy); break;
+  }
+}
+
 VNNI static void vnni_qpanel(Quantised x, const uint8_t *c, const float *s, int bits, int64_t M, int64_t K,
                              float *y, int64_t ldy, int64_t width) {
   float tail[QCHUNK * PANEL];
@@ -154,24 +168,8 @@ VNNI static void vnni_qpanel(Quantised x, const uint8_t *c, const float *s, int 
     Quantised xm = {x.q + m * K, x.d + m * (K / 32), x.sums + m * (K / 32)};
     float *out = width == PANEL ? y + m * ldy : tail;
     int64_t ld = width == PANEL ? ldy : PANEL;
-    if (bits == 4)
-      switch (rows) { /* constant row counts: the accumulators stay in registers */
-        case 1: vnni_rows(1, xm, c, s, 4, zero, K, out, ld); break;
-        case 2: vnni_rows(2, xm, c, s, 4, zero, K, out, ld); break;
-        case 3: vnni_rows(3, xm, c, s, 4, zero, K, out, ld); break;
-        case 4: vnni_rows(4, xm, c, s, 4, zero, K, out, ld); break;
-        case 5: vnni_rows(5, xm, c, s, 4, zero, K, out, ld); break;
-        default: vnni_rows(6, xm, c, s, 4, zero, K, out, ld); break;
-      }
-    else
-      switch (rows) {
-        case 1: vnni_rows(1, xm, c, s, 8, zero, K, out, ld); break;
-        case 2: vnni_rows(2, xm, c, s, 8, zero, K, out, ld); break;
-        case 3: vnni_rows(3, xm, c, s, 8, zero, K, out, ld); break;
-        case 4: vnni_rows(4, xm, c, s, 8, zero, K, out, ld); break;
-        case 5: vnni_rows(5, xm, c, s, 8, zero, K, out, ld); break;
-        default: vnni_rows(6, xm, c, s, 8, zero, K, out, ld); break;
-      }
+    if (bits == 4) vnni_chunk(rows, xm, c, s, 4, zero, K, out, ld);
+    else vnni_chunk(rows, xm, c, s, 8, zero, K, out, ld);
     if (width < PANEL)
       for (int r = 0; r < rows; r++) memcpy(y + (m + r) * ldy, tail + r * PANEL, width * sizeof(float));
   }
