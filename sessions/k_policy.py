@@ -165,22 +165,30 @@ class DraftCost:
 
 class Guard:
     """Whether a batch drafts as planned or not at all: the plan's costs are measured, but not everything a step
-    waits for is (a speculator catching up after a pause, the cores the drafts take from the step), so the guard
-    also measures the outcome. It alternates windows of ``window`` steps in one mode, keeps the tokens a second
-    of each mode (a running mean, each window weighing half), drafts in the better mode, and tries the other
-    one every ``explore``-th window. A step counts with the mode its sequences drafted in, its whole time (the
-    gap before it and its run) and the tokens its rounds emitted; the batch leaves out steps that hold a
-    prompt's chunk, whose time says nothing of drafting. The first ``settle`` steps after a switch do not count
-    either: a speculator catches up then on what it did not read while the other mode ran (a head reads every
-    row since its last proposal), a cost of switching, not of the mode."""
+    waits for is (a speculator catching up after a pause, the cores the drafts take from the step, a speculative
+    round's own Python), so the guard also measures the outcome. It runs windows of ``window`` steps in one mode,
+    keeps the tokens a second of each mode (a running mean, each window weighing half) and drafts in the better
+    mode. It tries the other mode for one window after ``explore`` windows in the better one; each try that
+    confirms the better mode doubles that interval, up to ``explore_max`` (a try costs what the worse mode loses,
+    so a settled choice is tried less and less often), and a try that finds the other mode better, or a better
+    mode whose own rate falls below the other's, switches and starts over at ``explore``. A step counts with the
+    mode its sequences drafted in, its whole time (the gap before it and its run) and the tokens its rounds
+    emitted; the batch leaves out steps that hold a prompt's chunk, whose time says nothing of drafting. The
+    first ``settle`` steps after a switch do not count either: a speculator catches up then on what it did not
+    read while the other mode ran (a head reads every row since its last proposal), a cost of switching, not of
+    the mode."""
 
-    def __init__(self, window: int = 8, explore: int = 4, settle: int = 1):
-        self.window, self.explore, self.settle = window, explore, settle
+    def __init__(self, window: int = 8, explore: int = 4, settle: int = 1, explore_max: int = 16):
+        self.window, self.settle = window, settle
+        self.explore_min, self.explore_max = explore, max(explore, explore_max)
+        self.explore = explore
+        """Windows in the better mode before the other is tried again (doubles while tries confirm it)."""
         self._settling = 0
         self.drafting = True
         self.rates: dict[bool, float | None] = {True: None, False: None}
         self._sums = {True: [0, 0, 0.0], False: [0, 0, 0.0]}  # steps, tokens, seconds of each mode's window
-        self._windows = 0
+        self._kept = 0  # windows in the better mode since the other was last tried
+        self._trying = False  # the window running tries the mode not thought better
 
     def step(self, drafting: bool, seconds: float, tokens: int) -> None:
         """One step's record: the mode its rounds drafted in, its seconds, the tokens its rounds emitted."""
@@ -197,11 +205,27 @@ class Guard:
         old = self.rates[drafting]
         self.rates[drafting] = rate if old is None else 0.5 * (old + rate)
         self._sums[drafting] = [0, 0, 0.0]
-        self._windows += 1
+        self._window_ended(drafting)
+
+    def _window_ended(self, drafting: bool) -> None:
         other = not drafting
-        if self.rates[other] is None or self._windows % self.explore == 0:
-            self.drafting = other  # measure the other mode (again)
+        if self.rates[other] is None:  # the other mode is measured once before any choice
+            self._switch(other, trying=False)
+            return
+        best = self.rates[True] >= self.rates[False]
+        if self._trying:  # this window tried the mode not thought better
+            self.explore = self.explore_min if best == drafting else min(2 * self.explore, self.explore_max)
+            self._switch(best, trying=False)
+        elif best != drafting:  # the better mode's own rate fell below the other's
+            self.explore = self.explore_min
+            self._switch(best, trying=False)
         else:
-            self.drafting = self.rates[True] >= self.rates[False]
-        if self.drafting != drafting:
+            self._kept += 1
+            if self._kept >= self.explore:
+                self._switch(other, trying=True)
+
+    def _switch(self, drafting: bool, trying: bool) -> None:
+        if drafting != self.drafting:
             self._settling = self.settle
+            self._kept = 0
+        self.drafting, self._trying = drafting, trying

@@ -89,6 +89,32 @@ def test_the_guard_keeps_the_mode_that_serves_more(drafting_pays):
     assert share >= 0.7, share
 
 
+def test_a_settled_choice_is_tried_less_and_less_often_and_a_change_is_still_followed():
+    """Each try of the worse mode that confirms the choice doubles the windows before the next (a try costs
+    what the worse mode loses), up to explore_max; once the other mode pays more, the first try finds it and
+    the guard keeps it."""
+    guard = Guard(window=4, explore=4, settle=0, explore_max=16)
+    windows = []
+
+    def run(steps, pays):
+        for _ in range(steps):
+            mode = guard.drafting
+            windows.append(mode)
+            guard.step(mode, 1.0, 12 if mode == pays else 10)
+
+    run(4 * 200, True)
+    tries = [i for i in range(4, len(windows), 4) if not windows[i] and windows[i - 4]]
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert gaps[:3] == [4 * 5, 4 * 9, 4 * 17] and set(gaps[2:]) == {4 * 17}, gaps  # 4, 8, 16, 16, ... kept windows
+    assert sum(not w for w in windows[400:]) / len(windows[400:]) <= 1 / 16
+    assert guard.explore == 16
+    windows.clear()
+    run(4 * 40, False)  # the other mode pays now: found by the next try (at most 16 windows on), and kept
+    first = windows.index(False)
+    tries = [i for i in range(first + 4, len(windows), 4) if windows[i]]  # drafting is now the one tried
+    assert first <= 4 * 17 and [b - a for a, b in zip([first] + tries, tries)] == [4 * 5, 4 * 9, 4 * 17], windows
+
+
 def test_a_step_record_of_the_mode_before_a_switch_counts_for_that_mode():
     """The batch hands the guard a step's record one step late (its tokens are reported after it): a record of
     the mode just left goes to that mode, not to the window now running."""
