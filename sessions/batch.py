@@ -159,14 +159,13 @@ class Batch:
         the rows are then in the slot's buffers."""
         with self._cond:
             slot.pending, slot.fed, slot.want, slot.error = tokens, 0, rows, None
-            slot.since = time.perf_counter()
-            self._cond.notify_all()
+            slot.since = time.perf_counter()  # a hand-in wakes nobody: the one that completes a step runs it
             while slot.pending is not None:
                 if self._running:  # the step's end wakes every waiter
                     self._cond.wait()
                 elif self._ready():
                     self._step()
-                else:  # until a hand-in, an idle slot, or the gathering time is up
+                else:  # until a step's end, an idle slot, or the gathering time is up
                     self._cond.wait(max(self._gather_left(), 0.001))
             if slot.error is not None:
                 raise slot.error
