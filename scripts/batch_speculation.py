@@ -65,6 +65,10 @@ def main() -> int:
               f"{sum(o.stats.drafted for o in out):5d}  accepted {sum(o.stats.accepted for o in out):5d}  "
               f"gap {batch.waits.overhead * 1e3:.2f} ms + {batch.waits.per_token * 1e3:.2f} ms a drafted token",
               file=sys.stderr)
+        if kind != "none":
+            guards = {f"{2 ** (load - 1) + 1 if load > 1 else 2}+": g for load, g in sorted(batch.guards.items())}
+            print("    guards, tok/s drafting / not (sequences a step):", ", ".join(
+                f"{n} {_rate(g.rates[True])} / {_rate(g.rates[False])}" for n, g in guards.items()), file=sys.stderr)
         del sessions
         gc.collect()
         return rate
@@ -79,6 +83,10 @@ def main() -> int:
     for kind, r in rates.items():
         print(f"| {kind} | {statistics.median(r):.1f} | {statistics.median(r) / base:.2f}x |")
     return 0
+
+
+def _rate(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:.0f}"
 
 
 if __name__ == "__main__":

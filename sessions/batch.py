@@ -218,6 +218,13 @@ class Batch:
         finally:
             self._cond.acquire()
             self._running = False
+        if error is None:
+            self.steps += 1
+            self.calls += len(parts)
+            self.cost.observe(t, seconds)
+            self._account(clean and gap is not None, guard, drafting, drafted, gap or 0.0, seconds, caught_up)
+        active = sum(s.active for s in self._all)
+        arm = active <= 1 or self.guard(active).drafting  # else no Session drafts next round
         for s, start, count, r0, want, last in parts:
             if error is not None:
                 s.pending, s.error = None, error if isinstance(error, GenerationError) else GenerationError(
@@ -229,16 +236,14 @@ class Batch:
             s.fed += count
             if last:
                 s.deliver(self._logits[0, r0:r0 + want])
-                for draft in s.leads:  # its Session drafts next: the drafts' steps wait for it
+                for draft in s.leads if arm else ():  # its Session drafts next: the drafts' steps wait for it
                     draft.arm()
                 s.pending, s.fresh = None, False
-        if error is None:
-            self.steps += 1
-            self.calls += len(parts)
-            self.cost.observe(t, seconds)
-            self._account(clean and gap is not None, guard, drafting, drafted, gap or 0.0, seconds, caught_up)
-            if len(parts) > 1:  # a lone sequence drafts as its Session would (k_for)
+        if error is None and len(parts) > 1:  # a lone sequence drafts as its Session would (k_for)
+            if arm:
                 self._replan()
+            else:  # nobody drafts next round: planned again when the guard drafts (k_for)
+                self._plan = {}
         self._ended = time.perf_counter()
         self._cond.notify_all()
 

@@ -168,7 +168,8 @@ class Guard:
     waits for is (a speculator catching up after a pause, the cores the drafts take from the step, a speculative
     round's own Python), so the guard also measures the outcome. It runs windows of ``window`` steps in one mode,
     keeps the tokens a second of each mode (a running mean, each window weighing half) and drafts in the better
-    mode. It tries the other mode for one window after ``explore`` windows in the better one; each try that
+    mode; drafting only where it serves ``margin`` more (a tie goes to plain steps: what drafting costs outside
+    the steps it counts, its prompts and catching up, is not measured). It tries the other mode for one window after ``explore`` windows in the better one; each try that
     confirms the better mode doubles that interval, up to ``explore_max`` (a try costs what the worse mode loses,
     so a settled choice is tried less and less often), and a try that finds the other mode better, or a better
     mode whose own rate falls below the other's, switches and starts over at ``explore``. A step counts with the
@@ -178,8 +179,9 @@ class Guard:
     read while the other mode ran (a head reads every row since its last proposal), a cost of switching, not of
     the mode."""
 
-    def __init__(self, window: int = 8, explore: int = 4, settle: int = 1, explore_max: int = 16):
-        self.window, self.settle = window, settle
+    def __init__(self, window: int = 8, explore: int = 4, settle: int = 1, explore_max: int = 16,
+                 margin: float = 0.03):
+        self.window, self.settle, self.margin = window, settle, margin
         self.explore_min, self.explore_max = explore, max(explore, explore_max)
         self.explore = explore
         """Windows in the better mode before the other is tried again (doubles while tries confirm it)."""
@@ -212,7 +214,7 @@ class Guard:
         if self.rates[other] is None:  # the other mode is measured once before any choice
             self._switch(other, trying=False)
             return
-        best = self.rates[True] >= self.rates[False]
+        best = self.rates[True] > self.rates[False] * (1 + self.margin)
         if self._trying:  # this window tried the mode not thought better
             self.explore = self.explore_min if best == drafting else min(2 * self.explore, self.explore_max)
             self._switch(best, trying=False)
