@@ -223,7 +223,8 @@ class Batch:
             self.calls += len(parts)
             self.cost.observe(t, seconds)
             self._account(clean and gap is not None, guard, drafting, drafted, gap or 0.0, seconds, caught_up)
-        arm = self.drafts_next()
+        active = sum(s.active for s in self._all)
+        arm = active <= 1 or self.guard(active).drafting  # else no Session drafts next round
         for s, start, count, r0, want, last in parts:
             if error is not None:
                 s.pending, s.error = None, error if isinstance(error, GenerationError) else GenerationError(
@@ -324,12 +325,6 @@ class Batch:
             self.guards[load] = Guard()
         return self.guards[load]
 
-    def drafts_next(self) -> bool:
-        """Whether a Session of this batch may draft in its next round: it is alone in the batch, or the guard of
-        the batch's load drafts (called with the lock held)."""
-        active = sum(s.active for s in self._all)
-        return active <= 1 or self.guard(active).drafting
-
     def k_for(self, slot: "Slot") -> int:
         """The planned k of ``slot`` (planned again when it wants another k than the plan assumed); a lone
         sequence drafts what its Session would draft alone."""
@@ -368,8 +363,6 @@ class Slot(GraphModel):
         self.led = False
         """A draft's slot: active (its batch's steps wait for it) from its target's step to its target's next
         hand-in, not from its own reset."""
-        self.leader: Slot | None = None
-        """A draft's slot: the target's slot that leads it."""
         self.acceptance = PRIOR_ACCEPTANCE
         self.drafted_last = False
         """Whether its last call held drafted tokens."""
@@ -403,13 +396,8 @@ class Slot(GraphModel):
         drafts of every Session that stepped together then run in the same draft steps."""
         if draft.batch is self.batch:
             raise GenerationError("a draft's slot must be of another Batch than its target's")
-        draft.led, draft.leader = True, self
+        draft.led = True
         self.leads.append(draft)
-
-    def drafts_soon(self) -> bool:
-        """Whether this slot's Session may draft in its next round (``Batch.drafts_next``)."""
-        with self.batch._cond:
-            return self.batch.drafts_next()
 
     def arm(self) -> None:
         """Its target stepped: its Session drafts next, and the draft's steps wait for it (``idle`` ends it)."""

@@ -7,9 +7,7 @@ tokens it has not seen (the pending token, and after a full acceptance the
 last drafted one too) in one call.
 
 Given a ``Batch`` of the draft model, it drafts on a slot of it: the drafts of every Session of the target's
-Batch then run in the same steps, each weight read once for all of them (``Slot.lead``). There it reads a
-prompt only when the target's batch may draft (its guard drafts at that load, or the sequence is alone); else
-its first proposal catches up on every token it has not read.
+Batch then run in the same steps, each weight read once for all of them (``Slot.lead``).
 """
 from __future__ import annotations
 
@@ -56,12 +54,7 @@ class DraftModel(ModelSpeculator):
         self.model.reset()
 
     def prefill(self, ctx: Context, record: Prefill) -> None:
-        """Read the prompt (all but its last token, like the target) before the first round; on a slot of a Batch
-        whose target batch drafts nothing now (its guard, under load), not yet: the first proposal reads every
-        token it has not read, and under load there may be none."""
-        leader = getattr(self.model, "leader", None)
-        if leader is not None and not leader.drafts_soon():
-            return
+        """Read the prompt (all but its last token, like the target) before the first round."""
         if ctx.room(self.model.max_positions) > 0:  # else propose drafts nothing anyway
             self.model.forward(ctx.tokens[self.model.length:ctx.read], rows=1)
 

@@ -156,31 +156,6 @@ def test_drafts_on_a_draft_batch_step_together_and_equal_their_lone_runs():
     assert drafts.calls > drafts.steps > 0
 
 
-def test_a_draft_reads_nothing_while_its_batch_drafts_nothing_and_catches_up_when_it_drafts():
-    """Under a guard that drafts nothing at the batch's load, a draft on a draft Batch reads no prompt and runs
-    no step; once its sequence drafts (here: the other sequence leaves, so it is alone), its first proposal reads
-    every token it has not read, the request's prompt and its tokens so far, and the output equals the lone run."""
-    batch = Batch(TARGET, CFG, slots=2, gather_seconds=0.005, calibrate=False)
-    drafts = Batch(DRAFT, CFG, slots=2, calibrate=False)
-    guard = batch.guard(2)
-    guard.drafting, guard.window = False, 10 ** 9  # drafting nothing at 2 sequences, for good
-    other = batch.slot()
-    other.reset()  # a second sequence in a request: never hands in, so each step waits 5 ms for it, then runs
-    session = Session(batch, DraftModel(drafts, CFG), CFG, k=3)
-    kw = dict(max_new_tokens=24, ignore_eos=True)
-    lone = Session(TARGET, DraftModel(DRAFT, CFG), CFG, k=3).generate(CODE, **kw).token_ids
-    assert session.generate(CODE, **kw).token_ids == lone
-    assert drafts.calls == 0 and session.last.stats.drafted == 0
-    with session.stream(CODE, **kw) as stream:
-        for _ in range(6):  # six plain rounds beside the other sequence
-            next(stream)
-        batch.release(other)  # alone from now on: it drafts as its Session would
-        for _ in stream:
-            pass
-    assert stream.generation.token_ids == lone
-    assert stream.generation.stats.drafted > 0 and drafts.calls > 0
-
-
 def test_a_draft_on_a_batch_needs_a_batched_target():
     drafts = Batch(DRAFT, CFG, slots=1, calibrate=False)
     with pytest.raises(GenerationError, match="another Batch"):
