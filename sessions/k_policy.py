@@ -168,16 +168,16 @@ class Guard:
     waits for is (a speculator catching up after a pause, the cores the drafts take from the step, a speculative
     round's own Python), so the guard also measures the outcome. It runs windows of ``window`` steps in one mode,
     keeps the tokens a second of each mode (a running mean, each window weighing half) and drafts in the better
-    mode; drafting only where it serves ``margin`` more (a tie goes to plain steps: what drafting costs outside
-    the steps it counts, its prompts and catching up, is not measured). It tries the other mode for one window after ``explore`` windows in the better one; each try that
-    confirms the better mode doubles that interval, up to ``explore_max`` (a try costs what the worse mode loses,
-    so a settled choice is tried less and less often), and a try that finds the other mode better, or a better
-    mode whose own rate falls below the other's, switches and starts over at ``explore``. A step counts with the
-    mode its sequences drafted in, its whole time (the gap before it and its run) and the tokens its rounds
-    emitted; the batch leaves out steps that hold a prompt's chunk, whose time says nothing of drafting. The
-    first ``settle`` steps after a switch do not count either: a speculator catches up then on what it did not
-    read while the other mode ran (a head reads every row since its last proposal), a cost of switching, not of
-    the mode."""
+    mode, drafting counting as better only where it serves ``margin`` more (a tie goes to plain steps: what
+    drafting costs outside the steps counted, the drafts' prompts and catching up, is not measured). It tries
+    the other mode for one window after ``explore`` windows in the better one; each try that confirms the better
+    mode doubles that interval, up to ``explore_max`` (a try costs what the worse mode loses, so a settled choice
+    is tried less and less often), and a try that finds the other mode better, or a better mode whose own rate
+    falls below the other's, switches and starts over at ``explore``. A step counts with the mode its sequences
+    drafted in, its whole time (the gap before it and its run) and the tokens its rounds emitted; the batch
+    leaves out steps that hold a prompt's chunk, whose time says nothing of drafting. The first ``settle`` steps
+    after a switch do not count either: a speculator catches up then on what it did not read while the other
+    mode ran (a head reads every row since its last proposal), a cost of switching, not of the mode."""
 
     def __init__(self, window: int = 8, explore: int = 4, settle: int = 1, explore_max: int = 16,
                  margin: float = 0.03):
