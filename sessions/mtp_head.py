@@ -89,6 +89,26 @@ class MtpHead(ModelSpeculator):
         self.last: np.ndarray | None = None
         """[1, H]: the target's hidden state of the position before the pending token (None: none yet); with an
         attention layer, [s, H]: those of every position the head has still to read."""
+        self._held = False  # ``last`` is the start of ``_rows`` (else a view of the target's buffer, or None)
+        if not hasattr(self, "_rows"):
+            self._rows: np.ndarray | None = None
+
+    def _hold(self, rows: np.ndarray, after: bool) -> None:
+        """Keep ``rows`` as the rows the head has still to read (after those it has when ``after``), in a buffer
+        that grows by doubling and lives across requests: a round that proposed nothing adds its rows without
+        copying the ones before them again (those of a long prompt, for one)."""
+        n = len(self.last) if after and self.last is not None else 0
+        total = n + len(rows)
+        buf = self._rows
+        if buf is None or total > len(buf) or buf.dtype != rows.dtype:
+            grown = np.empty((max(total, 2 * len(buf) if buf is not None else 0, 64), rows.shape[1]), rows.dtype)
+            if n:
+                grown[:n] = self.last
+            self._rows = buf = grown
+        elif n and not self._held:
+            buf[:n] = self.last
+        buf[n:total] = rows
+        self.last, self._held = buf[:total], True
 
     def prefill(self, ctx: Context, record: Prefill) -> None:
         """Read the prompt's tokens but the pending one; keep the target's hidden state before it."""
@@ -99,7 +119,8 @@ class MtpHead(ModelSpeculator):
                                   f"before the pending token, got {None if h is None else len(h)} rows; bind the "
                                   "head to a Session whose target was exported with --with-hidden-states")
         if self.each:  # read at the first propose, with the rows of the rounds before it: nothing is paid
-            self.last = h[:read, :self.width].copy() if read > 0 else None  # for a request that never drafts
+            if read > 0:  # for a request that never drafts
+                self._hold(h[:read, :self.width], after=False)
             return
         if read > 1:  # only the state is kept; the head reads one position behind
             self.model.forward(ctx.tokens[1:read], h[read - 2:read - 1, :self.width])
@@ -109,8 +130,6 @@ class MtpHead(ModelSpeculator):
         m = self.model
         k = min(k, ctx.room(m.max_positions))
         if k <= 0 or self.last is None:  # a one-token prompt: no hidden state before the first round
-            if self.each and self.last is not None:  # unread rows outlive the verify, which rewrites its buffer
-                self.last = self.last.copy()
             return DraftProposal(np.zeros(0, np.int64))
         first = m.forward(ctx.unread(m.length + 1), self.last)[0]  # the head's position i reads token i + 1
         return self.chain(first, k, ctx, lambda x: m.forward((x,), m.hidden)[0])  # chained on its own hidden
@@ -125,8 +144,8 @@ class MtpHead(ModelSpeculator):
             return
         real = ctx.read - len(decision.tokens)  # positions read with the target's hidden states
         rows = verify.hidden[:j + 1, :self.width]          # the target's, of the verified positions
+        # copied, never kept as a view: the target's next call rewrites its buffer, and a round that drafts
+        # nothing (a batch's plan under load) does not read them before that
+        self._hold(rows, after=self.model.length < real)  # after: nothing was proposed, they wait behind those
         if self.model.length >= real:
             self.model.commit(real)
-            self.last = rows
-        else:  # nothing was proposed: those rows wait behind the ones not read yet
-            self.last = rows if self.last is None else np.concatenate([self.last, rows])

@@ -81,6 +81,40 @@ def test_after_each_commit_the_next_proposal_equals_reading_the_context_with_the
         assert spec.model.length == n - 1 and len(spec.last) == j + 1  # the verified rows wait for the next round
 
 
+def test_rounds_that_draft_nothing_keep_the_rows_the_head_has_still_to_read(target, attn_head):
+    """A batch's plan under load drafts nothing for a while (k = 0: no proposal, one target row a round). The
+    rows of those rounds, and of the round before them, wait for the head's next proposal, which must read them
+    as the target computed them, however often the target's calls rewrote its buffer since."""
+    rng = np.random.default_rng(7)
+    tgt = decoder_for(compile(target, CFG))
+    spec = MtpHead(attn_head, CFG)
+    spec.bind(tgt)
+    ctx = Context(tokens=rng.integers(3, tgt.vocab_size, 9).tolist(), params=SamplingParams(),
+                  rng=np.random.default_rng(0))
+    tgt.forward(ctx.tokens[:-1])
+    spec.prefill(ctx, Prefill(hidden=tgt.hidden))
+    first = []
+    forward = spec.model.forward
+    spec.model.forward = lambda *a: first.append(forward(*a)) or first[-1]
+    for k in (0, 0, 3, 0, 0, 0, 2, 0, 3):
+        drafted = np.zeros(0, np.int64)
+        if k:
+            ref = decoder_for(compile(target, CFG))
+            ref.fetch_hidden()
+            ref.forward(ctx.tokens[:-1])
+            want = reference_logits(attn_head, ctx.tokens[1:], ref.hidden[:len(ctx.tokens) - 1])
+            first.clear()
+            drafted = spec.propose(ctx, k).tokens
+            np.testing.assert_allclose(first[0], want, atol=1e-4)
+        logits = tgt.forward([ctx.tokens[-1], *drafted])
+        j = int(rng.integers(0, len(drafted) + 1))
+        new = np.append(drafted[:j], rng.integers(3, tgt.vocab_size))
+        ctx.tokens.extend(new.tolist())
+        tgt.commit(len(ctx.tokens) - 1)
+        spec.commit(ctx, AcceptDecision(j, new.astype(np.int64), bonus=j == len(drafted)),
+                    VerifyResult(logits, hidden=tgt.hidden))
+
+
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_greedy_with_an_attention_head_equals_plain_greedy(target, attn_head, plain, k):
     g = Session(target, MtpHead(attn_head, CFG), CFG, k=k).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
