@@ -49,6 +49,8 @@ class MtpHead(ModelSpeculator):
         self.hidden_size = int(m.draft_head["hidden_size"])
         self.width = self.hidden_size
         self.set_min_prob(min_prob)
+        self._rows: np.ndarray | None = None
+        """With an attention layer: the buffer ``last`` lives in, made once and grown by doubling."""
         self.reset()
 
     def bind(self, target: Decoder) -> None:
@@ -90,8 +92,6 @@ class MtpHead(ModelSpeculator):
         """[1, H]: the target's hidden state of the position before the pending token (None: none yet); with an
         attention layer, [s, H]: those of every position the head has still to read."""
         self._held = False  # ``last`` is the start of ``_rows`` (else a view of the target's buffer, or None)
-        if not hasattr(self, "_rows"):
-            self._rows: np.ndarray | None = None
 
     def _hold(self, rows: np.ndarray, after: bool) -> None:
         """Keep ``rows`` as the rows the head has still to read (after those it has when ``after``), in a buffer
