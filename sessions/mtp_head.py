@@ -91,7 +91,6 @@ class MtpHead(ModelSpeculator):
         self.last: np.ndarray | None = None
         """[1, H]: the target's hidden state of the position before the pending token (None: none yet); with an
         attention layer, [s, H]: those of every position the head has still to read."""
-        self._held = False  # ``last`` is the start of ``_rows`` (else a view of the target's buffer, or None)
 
     def _hold(self, rows: np.ndarray, after: bool) -> None:
         """Keep ``rows`` as the rows the head has still to read (after those it has when ``after``), in a buffer
@@ -105,10 +104,8 @@ class MtpHead(ModelSpeculator):
             if n:
                 grown[:n] = self.last
             self._rows = buf = grown
-        elif n and not self._held:
-            buf[:n] = self.last
         buf[n:total] = rows
-        self.last, self._held = buf[:total], True
+        self.last = buf[:total]  # with an attention layer, always the start of this buffer
 
     def prefill(self, ctx: Context, record: Prefill) -> None:
         """Read the prompt's tokens but the pending one; keep the target's hidden state before it."""

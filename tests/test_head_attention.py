@@ -45,12 +45,9 @@ def reference_logits(head_dir, tokens, hidden):
     return StateModel(compile(head_dir, CFG)).forward(tokens, hidden)
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
-def test_after_each_commit_the_next_proposal_equals_reading_the_context_with_the_targets_hidden_states(
-        target, attn_head, k):
-    """Forced accept patterns j = 0..k: the chained drafts wrote the head's own hidden states into its cache,
-    and a commit must leave only the target's."""
-    rng = np.random.default_rng(k)
+def _prefilled(target, attn_head, rng):
+    """A target and the head bound to it, after a random 9-token prompt; ``first`` collects each of the head's
+    calls' logits."""
     tgt = decoder_for(compile(target, CFG))
     spec = MtpHead(attn_head, CFG)
     spec.bind(tgt)
@@ -61,6 +58,16 @@ def test_after_each_commit_the_next_proposal_equals_reading_the_context_with_the
     first = []
     forward = spec.model.forward
     spec.model.forward = lambda *a: first.append(forward(*a)) or first[-1]
+    return tgt, spec, ctx, first
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_after_each_commit_the_next_proposal_equals_reading_the_context_with_the_targets_hidden_states(
+        target, attn_head, k):
+    """Forced accept patterns j = 0..k: the chained drafts wrote the head's own hidden states into its cache,
+    and a commit must leave only the target's."""
+    rng = np.random.default_rng(k)
+    tgt, spec, ctx, first = _prefilled(target, attn_head, rng)
     patterns = list(range(k + 1)) * 2
     rng.shuffle(patterns)
     for j in patterns:
@@ -86,16 +93,7 @@ def test_rounds_that_draft_nothing_keep_the_rows_the_head_has_still_to_read(targ
     rows of those rounds, and of the round before them, wait for the head's next proposal, which must read them
     as the target computed them, however often the target's calls rewrote its buffer since."""
     rng = np.random.default_rng(7)
-    tgt = decoder_for(compile(target, CFG))
-    spec = MtpHead(attn_head, CFG)
-    spec.bind(tgt)
-    ctx = Context(tokens=rng.integers(3, tgt.vocab_size, 9).tolist(), params=SamplingParams(),
-                  rng=np.random.default_rng(0))
-    tgt.forward(ctx.tokens[:-1])
-    spec.prefill(ctx, Prefill(hidden=tgt.hidden))
-    first = []
-    forward = spec.model.forward
-    spec.model.forward = lambda *a: first.append(forward(*a)) or first[-1]
+    tgt, spec, ctx, first = _prefilled(target, attn_head, rng)
     for k in (0, 0, 3, 0, 0, 0, 2, 0, 3):
         drafted = np.zeros(0, np.int64)
         if k:
