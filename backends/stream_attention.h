@@ -56,34 +56,65 @@ typedef int32_t att_ivec __attribute__((vector_size(ATT_LANES * 4)));
 
 /* Rows are (token i, head h) pairs of one kv group, taken 4 at a time: their raw scores over each row's own key
  * range go to scores[r] (SCORES: one dot product per row and key), then each row's softmax, then the weighted
- * values of all 4 rows in one walk over the value rows. A row's sums run over its keys in ascending order into
- * two partial sums per 16 lanes (even and odd key positions, added at the end), whatever rows share its walk. */
+ * values of all 4 rows in walks over the value rows (up to ATT_CHUNKS chunks of 16 lanes a walk). A row's sums
+ * run over its keys in ascending order into two partial sums per 16 lanes (even and odd key positions, added at
+ * the end), whatever rows and chunks share its walk. */
 #define ATT_ROWS 4
 
-/* acc[s][parity] += e_s[j] * v[j] for rows s < R over keys j = from .. to (R a constant where inlined) */
+/* Chunks of 16 value lanes one walk over the value rows carries for every row: its R * C * 2 partial sums stay
+ * in registers (R * C <= 12), and each value row is read once a walk rather than once a chunk. */
+#define ATT_CHUNKS 4
+
+/* acc[s][c][parity] += e_s[j] * v[j][16 c ..] for rows s < R and chunks c < C over keys j = from .. to (R and C
+ * constants where inlined) */
 #define ATT_PV(NAME, TARGET)                                                                                 \
-  TARGET AI void NAME##_pv(int R, const float *v, int64_t D, int64_t from, int64_t to, float *const *e,      \
-                           const int64_t *lo, att_vec (*acc)[2]) {                                           \
+  TARGET AI void NAME##_pv(int R, int C, const float *v, int64_t D, int64_t from, int64_t to, float *const *e, \
+                           const int64_t *lo, att_vec (*acc)[ATT_CHUNKS][2]) {                               \
     int64_t j = from;                                                                                        \
     if (j <= to && (j & 1)) {                                                                                \
-      att_vec x;                                                                                             \
-      memcpy(&x, v + j * D, sizeof x);                                                                       \
-      for (int s = 0; s < R; s++) acc[s][1] += e[s][j - lo[s]] * x;                                          \
+      for (int c = 0; c < C; c++) {                                                                          \
+        att_vec x;                                                                                           \
+        memcpy(&x, v + j * D + c * ATT_LANES, sizeof x);                                                     \
+        for (int s = 0; s < R; s++) acc[s][c][1] += e[s][j - lo[s]] * x;                                     \
+      }                                                                                                      \
       j++;                                                                                                   \
     }                                                                                                        \
-    for (; j + 1 <= to; j += 2) {                                                                            \
-      att_vec x0, x1;                                                                                        \
-      memcpy(&x0, v + j * D, sizeof x0);                                                                     \
-      memcpy(&x1, v + (j + 1) * D, sizeof x1);                                                               \
-      for (int s = 0; s < R; s++) {                                                                          \
-        acc[s][0] += e[s][j - lo[s]] * x0;                                                                   \
-        acc[s][1] += e[s][j + 1 - lo[s]] * x1;                                                               \
+    for (; j + 1 <= to; j += 2)                                                                              \
+      for (int c = 0; c < C; c++) {                                                                          \
+        att_vec x0, x1;                                                                                      \
+        memcpy(&x0, v + j * D + c * ATT_LANES, sizeof x0);                                                   \
+        memcpy(&x1, v + (j + 1) * D + c * ATT_LANES, sizeof x1);                                             \
+        for (int s = 0; s < R; s++) {                                                                        \
+          acc[s][c][0] += e[s][j - lo[s]] * x0;                                                              \
+          acc[s][c][1] += e[s][j + 1 - lo[s]] * x1;                                                          \
+        }                                                                                                    \
       }                                                                                                      \
-    }                                                                                                        \
-    if (j <= to) {                                                                                           \
-      att_vec x;                                                                                             \
-      memcpy(&x, v + j * D, sizeof x);                                                                       \
-      for (int s = 0; s < R; s++) acc[s][0] += e[s][j - lo[s]] * x;                                          \
+    if (j <= to)                                                                                             \
+      for (int c = 0; c < C; c++) {                                                                          \
+        att_vec x;                                                                                           \
+        memcpy(&x, v + j * D + c * ATT_LANES, sizeof x);                                                     \
+        for (int s = 0; s < R; s++) acc[s][c][0] += e[s][j - lo[s]] * x;                                     \
+      }                                                                                                      \
+  }                                                                                                          \
+  /* NAME##_pv with R and C made constants */                                                                \
+  TARGET AI void NAME##_walk(int R, int C, const float *v, int64_t D, int64_t from, int64_t to,              \
+                             float *const *e, const int64_t *lo, att_vec (*acc)[ATT_CHUNKS][2]) {            \
+    switch (R * 8 + C) {                                                                                     \
+      case 9: NAME##_pv(1, 1, v, D, from, to, e, lo, acc); break;                                            \
+      case 10: NAME##_pv(1, 2, v, D, from, to, e, lo, acc); break;                                           \
+      case 11: NAME##_pv(1, 3, v, D, from, to, e, lo, acc); break;                                           \
+      case 12: NAME##_pv(1, 4, v, D, from, to, e, lo, acc); break;                                           \
+      case 17: NAME##_pv(2, 1, v, D, from, to, e, lo, acc); break;                                           \
+      case 18: NAME##_pv(2, 2, v, D, from, to, e, lo, acc); break;                                           \
+      case 19: NAME##_pv(2, 3, v, D, from, to, e, lo, acc); break;                                           \
+      case 20: NAME##_pv(2, 4, v, D, from, to, e, lo, acc); break;                                           \
+      case 25: NAME##_pv(3, 1, v, D, from, to, e, lo, acc); break;                                           \
+      case 26: NAME##_pv(3, 2, v, D, from, to, e, lo, acc); break;                                           \
+      case 27: NAME##_pv(3, 3, v, D, from, to, e, lo, acc); break;                                           \
+      case 28: NAME##_pv(3, 4, v, D, from, to, e, lo, acc); break;                                           \
+      case 33: NAME##_pv(4, 1, v, D, from, to, e, lo, acc); break;                                           \
+      case 34: NAME##_pv(4, 2, v, D, from, to, e, lo, acc); break;                                           \
+      default: NAME##_pv(4, 3, v, D, from, to, e, lo, acc); break;                                           \
     }                                                                                                        \
   }
 
@@ -129,25 +160,24 @@ typedef int32_t att_ivec __attribute__((vector_size(ATT_LANES * 4)));
         total[s] = tree_sum(sum);                                                                            \
       }                                                                                                      \
       int shared = shared_lo <= shared_hi; /* keys every row reads (none if windows keep them apart) */      \
-      for (int64_t c = 0; c < t->D; c += ATT_LANES) { /* 16 lanes of the values at a time */                 \
-        att_vec acc[ATT_ROWS][2];                                                                            \
-        const float *v = values + c;                                                                         \
+      int most = rows <= 3 ? ATT_CHUNKS : 3, C;                                                              \
+      for (int64_t c0 = 0; c0 < t->D; c0 += C * ATT_LANES) { /* up to `most` chunks of the values a walk */   \
+        C = (t->D - c0) / ATT_LANES < most ? (int)((t->D - c0) / ATT_LANES) : most;                          \
+        att_vec acc[ATT_ROWS][ATT_CHUNKS][2];                                                                \
+        const float *v = values + c0;                                                                        \
         for (int s = 0; s < rows; s++) { /* a row's keys before the shared ones */                           \
-          acc[s][0] = acc[s][1] = (att_vec){0};                                                              \
-          NAME##_pv(1, v, t->D, lo[s], shared ? shared_lo - 1 : hi[s], &scores[s], &lo[s], &acc[s]);         \
+          for (int c = 0; c < C; c++) acc[s][c][0] = acc[s][c][1] = (att_vec){0};                            \
+          NAME##_walk(1, C, v, t->D, lo[s], shared ? shared_lo - 1 : hi[s], &scores[s], &lo[s], &acc[s]);    \
         }                                                                                                    \
-        if (shared)                                                                                          \
-          switch (rows) { /* the shared keys, each value row loaded once for all rows */                     \
-            case 1: NAME##_pv(1, v, t->D, shared_lo, shared_hi, scores, lo, acc); break;                     \
-            case 2: NAME##_pv(2, v, t->D, shared_lo, shared_hi, scores, lo, acc); break;                     \
-            case 3: NAME##_pv(3, v, t->D, shared_lo, shared_hi, scores, lo, acc); break;                     \
-            default: NAME##_pv(4, v, t->D, shared_lo, shared_hi, scores, lo, acc); break;                    \
-          }                                                                                                  \
+        if (shared) /* the shared keys, each value row loaded once for all rows */                           \
+          NAME##_walk(rows, C, v, t->D, shared_lo, shared_hi, scores, lo, acc);                              \
         for (int s = 0; s < rows; s++) { /* the keys after them, then the row's output */                    \
           int64_t i = (r0 + s) / G, h = g * G + (r0 + s) % G;                                                \
-          if (shared) NAME##_pv(1, v, t->D, shared_hi + 1, hi[s], &scores[s], &lo[s], &acc[s]);              \
-          att_vec r = (acc[s][0] + acc[s][1]) / total[s];                                                    \
-          memcpy(t->out + (i * t->H + h) * t->D + c, &r, sizeof r);                                          \
+          if (shared) NAME##_walk(1, C, v, t->D, shared_hi + 1, hi[s], &scores[s], &lo[s], &acc[s]);         \
+          for (int c = 0; c < C; c++) {                                                                      \
+            att_vec r = (acc[s][c][0] + acc[s][c][1]) / total[s];                                            \
+            memcpy(t->out + (i * t->H + h) * t->D + c0 + c * ATT_LANES, &r, sizeof r);                       \
+          }                                                                                                  \
         }                                                                                                    \
       }                                                                                                      \
     }                                                                                                        \
