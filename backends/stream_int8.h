@@ -11,7 +11,8 @@
  * two groups of 16 columns, code t = 4 * column + (k % 4) of a group; 8-bit: 64 bytes a group, byte t;
  * 4-bit: 32 bytes a group, byte i holding code i (low nibble) and code i + 32 (high). Scales [P, K / 32, 32].
  */
-#define QCHUNK 6
+#define QCHUNK 6 /* rows a pass over a panel's codes takes when a call has more than QWIDE */
+#define QWIDE 12 /* a call of up to this many rows takes one pass (above QCHUNK its sums are kept in memory) */
 #define UNPACKED_BYTES 65536 /* a panel of 4-bit codes unpacked, up to K = 2048 (on the stack) */
 
 typedef struct { const int8_t *q; const float *d; const int32_t *sums; } Quantised;
@@ -109,6 +110,41 @@ VNNI AI void vnni_rows(int R, Quantised x, const uint8_t *c, const float *s, int
   }
 }
 
+/* vnni_rows for QCHUNK < R <= QWIDE rows: the dot products of the 2 groups of columns stay in registers
+ * (2 R of them), the float32 sums go to memory and back once a block; the same operations as vnni_rows */
+VNNI AI void vnni_wide_rows(int R, Quantised x, const uint8_t *c, const float *s, int bits, int32_t zero,
+                            int64_t K, float *y, int64_t ldy) {
+  int64_t group_bytes = bits == 4 ? 32 : 64;
+  _Alignas(64) float acc[QWIDE][2][16];
+  for (int r = 0; r < R; r++) memset(acc[r], 0, sizeof acc[r]);
+  for (int64_t b = 0; b < K / 32; b++) {
+    __m512i dot[QWIDE][2];
+    for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+    for (int quad = 0; quad < 8; quad++)
+      for (int g = 0; g < 2; g++) {
+        const uint8_t *at = c + ((b * 8 + quad) * 2 + g) * group_bytes;
+        __builtin_prefetch(at + 64 * AHEAD, 0, 3);
+        __m512i codes = vnni_codes(at, bits);
+        for (int r = 0; r < R; r++) {
+          int32_t four;
+          memcpy(&four, x.q + r * K + b * 32 + quad * 4, 4);
+          dot[r][g] = _mm512_dpbusd_epi32(dot[r][g], codes, _mm512_set1_epi32(four));
+        }
+      }
+    for (int g = 0; g < 2; g++) {
+      __m512 sg = _mm512_loadu_ps(s + b * PANEL + 16 * g);
+      for (int r = 0; r < R; r++) {
+        __m512i shift = _mm512_set1_epi32(zero * x.sums[r * (K / 32) + b]);
+        __m512 dr = _mm512_set1_ps(x.d[r * (K / 32) + b]);
+        __m512 sum = _mm512_fmadd_ps(_mm512_mul_ps(sg, dr), _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][g], shift)),
+                                     _mm512_load_ps(acc[r][g]));
+        _mm512_store_ps(acc[r][g], sum);
+      }
+    }
+  }
+  for (int r = 0; r < R; r++) memcpy(y + r * ldy, acc[r], sizeof acc[r]);
+}
+
 /* generic_quantise with 16 floats at a time: the same maximum (a NaN skipped, as there), the same float32
  * products, rounded to nearest even by the conversion (the default rounding, as nearbyintf), so the same q, d
  * and sums bit for bit */
@@ -149,22 +185,29 @@ VNNI AI void vnni_chunk(int rows, Quantised x, const uint8_t *c, const float *s,
     case 3: vnni_rows(3, x, c, s, bits, zero, K, y, ldy); break;
     case 4: vnni_rows(4, x, c, s, bits, zero, K, y, ldy); break;
     case 5: vnni_rows(5, x, c, s, bits, zero, K, y, ldy); break;
-    default: vnni_rows(6, x, c, s, bits, zero, K, y, ldy); break;
+    case 6: vnni_rows(6, x, c, s, bits, zero, K, y, ldy); break;
+    case 7: vnni_wide_rows(7, x, c, s, bits, zero, K, y, ldy); break;
+    case 8: vnni_wide_rows(8, x, c, s, bits, zero, K, y, ldy); break;
+    case 9: vnni_wide_rows(9, x, c, s, bits, zero, K, y, ldy); break;
+    case 10: vnni_wide_rows(10, x, c, s, bits, zero, K, y, ldy); break;
+    case 11: vnni_wide_rows(11, x, c, s, bits, zero, K, y, ldy); break;
+    default: vnni_wide_rows(12, x, c, s, bits, zero, K, y, ldy); break;
   }
 }
 
 VNNI static void vnni_qpanel(Quantised x, const uint8_t *c, const float *s, int bits, int64_t M, int64_t K,
                              float *y, int64_t ldy, int64_t width) {
-  float tail[QCHUNK * PANEL];
+  float tail[QWIDE * PANEL];
   _Alignas(64) uint8_t bytes[UNPACKED_BYTES];
   int32_t zero = bits == 4 ? 8 : 128;
-  if (bits == 4 && M > QCHUNK && K * 32 <= (int64_t)sizeof bytes) { /* the same codes, unpacked once */
+  int64_t chunk = M <= QWIDE ? QWIDE : QCHUNK;
+  if (bits == 4 && M > chunk && K * 32 <= (int64_t)sizeof bytes) { /* the same codes, unpacked once */
     vnni_unpack(c, K, bytes);
     c = bytes;
     bits = 8;
   }
-  for (int64_t m = 0; m < M; m += QCHUNK) {
-    int rows = (int)(M - m < QCHUNK ? M - m : QCHUNK);
+  for (int64_t m = 0; m < M; m += chunk) {
+    int rows = (int)(M - m < chunk ? M - m : chunk);
     Quantised xm = {x.q + m * K, x.d + m * (K / 32), x.sums + m * (K / 32)};
     float *out = width == PANEL ? y + m * ldy : tail;
     int64_t ld = width == PANEL ? ldy : PANEL;
