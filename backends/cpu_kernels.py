@@ -37,7 +37,7 @@ ATTENTION = "StreamAttention"
 """What GroupQueryAttention becomes (stream_attention.h): a query row computed the same whatever the others."""
 PANEL = 32
 """Columns per packed panel (two 16-float vectors)."""
-KERNEL_VERSION = "3"
+KERNEL_VERSION = "4"
 """Goes into the compile cache key with the plan: a graph rewritten for other packed layouts is never served."""
 LIBRARY_STEM = "_stream_matmul"
 
@@ -248,6 +248,8 @@ def plan(model, mode: str, provider: str) -> Plan:
     ModelProto, weights loaded or not) for a session whose first provider is ``provider``."""
     from onnx import TensorProto
 
+    from . import fuse_rows
+
     if mode == "ort":
         return Plan([], 0, "off: cpu_kernels = ort in config")
     if provider != "cpu":
@@ -283,14 +285,20 @@ def plan(model, mode: str, provider: str) -> Plan:
     exact = all(i in found or i in attention for i in matmuls)
     kinds_said = f" ({', '.join(parts)})" if parts else ""
     att_said = f", {len(attention)} attention" if attention else ""
-    return Plan(sorted([*found, *attention]), size, f"on: {len(found)} MatMuls{kinds_said}{att_said}, "
+    widths = {walked[i].output[0]: w.n for i, w in found.items() if walked[i].output}
+    norms, swiglus = fuse_rows.plan(model.graph, lambda node: widths.get(node.output[0]) if node.output else None)
+    rows_said = f", {norms} norms and {swiglus} SwiGLUs" if norms or swiglus else ""
+    return Plan(sorted([*found, *attention]), size, f"on: {len(found)} MatMuls{kinds_said}{att_said}{rows_said}, "
                                                     f"{size / 2**20:.0f} MiB of weights, {isas}", exact)
 
 
 def rewrite(model, chosen: Plan) -> None:
     """Replace the planned nodes of ``model`` (the graph ``plan`` read, weights loaded) in place; the packed
-    weights are initializers of the main graph, which subgraphs see."""
+    weights are initializers of the main graph, which subgraphs see; then the row-wise ops between them
+    (``fuse_rows``)."""
     from onnx import helper, numpy_helper
+
+    from . import fuse_rows
 
     inits = _initializers(model)
     everything = list(_walk(model.graph))
@@ -328,6 +336,8 @@ def rewrite(model, chosen: Plan) -> None:
     keep = [t for t in model.graph.initializer if t.name not in replaced or readers.get(t.name, 0) > 0]
     del model.graph.initializer[:]
     model.graph.initializer.extend(keep)
+    if chosen.nodes:
+        fuse_rows.fuse(model.graph)
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
 

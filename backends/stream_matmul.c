@@ -152,6 +152,7 @@ static Status *shape_of(Api api, const void *value, int *type, int64_t *dims, si
 
 #include "stream_attention.h"
 #include "stream_batch.h"
+#include "stream_rows.h"
 
 static const char *const NAMES[] = {"StreamMatMul", "StreamMatMulQ4", "StreamMatMulQx8"};
 
@@ -290,6 +291,14 @@ static const CustomOp batch_op = {
   .GetOutputCharacteristic = zero, .GetInputMemoryType = zero, .CreateKernelV2 = attention_create,
   .KernelComputeV2 = batch_compute};
 
+#define ROWS_OP {.version = 16, .GetName = rows_name, .GetExecutionProviderType = provider,                      \
+                 .GetInputType = float_type, .GetInputTypeCount = rows_inputs, .GetOutputType = float_type,      \
+                 .GetOutputTypeCount = rows_outputs, .KernelDestroy = destroy, .GetInputCharacteristic = zero,   \
+                 .GetOutputCharacteristic = zero, .GetInputMemoryType = zero, .CreateKernelV2 = rows_create,     \
+                 .KernelComputeV2 = rows_compute}
+/* StreamNorm, StreamSkipNorm, StreamSwiGLU */
+static const CustomOp rows_ops[3] = {ROWS_OP, ROWS_OP, ROWS_OP};
+
 static const void *stream_matmul_api; /* the OrtApi table, set before the domain is made */
 typedef Status *(*CreateDomainFn)(const char *, void **);
 typedef Status *(*DomainAddFn)(void *, const CustomOp *);
@@ -303,12 +312,16 @@ static void make_domain(void) {
   variant = choose_variant();
   int8 = choose_int8();
   attention_head = choose_attention();
+  choose_rows();
   if (CALL(api, CREATE_CUSTOM_OP_DOMAIN, CreateDomainFn)("ai.rlxrt", &domain) ||
       CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &ops[0]) ||
       CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &ops[1]) ||
       CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &ops[2]) ||
       CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &attention_op) ||
-      CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &batch_op))
+      CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &batch_op) ||
+      CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &rows_ops[0]) ||
+      CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &rows_ops[1]) ||
+      CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &rows_ops[2]))
     domain_error = "rlxrt's StreamMatMul: onnxruntime refused its custom-op domain";
 }
 
