@@ -4,9 +4,10 @@ all rows, and every row computed the same whatever the other rows of the call.
 A decoder step on CPU is bound by reading its weights. ONNX Runtime's MatMul (MLAS) reads them more slowly
 the more rows it multiplies them with (docs/kernels.md has the figures); and its MatMuls and GroupQueryAttention take other paths for several rows, so a
 verification's rows differ from one-row steps by ~1e-6 (by up to 0.5 with int8 activations). The library
-(``stream_matmul.c`` with ``stream_kernels.h``, ``stream_int8.h``, ``stream_attention.h``; built at install)
+(``stream_matmul.c`` with the headers it includes; built at install)
 holds ``StreamMatMul`` (float32 panels [ceil(N/32), K, 32]), ``StreamMatMulQ4`` (int4 blocks, float32
-arithmetic), ``StreamMatMulQx8`` (4- or 8-bit blocks with int8 activations) and ``StreamAttention``.
+arithmetic), ``StreamMatMulQx8`` (4- or 8-bit blocks with int8 activations), ``StreamAttention`` and the
+row-wise ops ``fuse_rows`` puts between them.
 
 ``compile()`` rewrites the graph before ONNX Runtime optimises it: every MatMul and bias-free Gemm over a
 float32 matrix initializer, every MatMulNBits it can take and every GroupQueryAttention of rlxrt's fused form
