@@ -76,26 +76,32 @@ VNNI AI __m512i vnni_codes(const uint8_t *bytes, int bits) {
   return _mm512_and_si512(both, _mm512_set1_epi8(15));
 }
 
+/* the exact int32 dot products of block b for rows r < R (R a constant where inlined), both groups of 16 columns:
+ * dot[r][g] = sum over the block's 8 quads, in order, of the codes of group g by the row's 4 activations */
+VNNI AI void vnni_block(int R, Quantised x, const uint8_t *c, int bits, int64_t K, int64_t b, __m512i (*dot)[2]) {
+  int64_t group_bytes = bits == 4 ? 32 : 64;
+  for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+  for (int quad = 0; quad < 8; quad++)
+    for (int g = 0; g < 2; g++) {
+      const uint8_t *at = c + ((b * 8 + quad) * 2 + g) * group_bytes;
+      __builtin_prefetch(at + 64 * AHEAD, 0, 3);
+      __m512i codes = vnni_codes(at, bits);
+      for (int r = 0; r < R; r++) {
+        int32_t four;
+        memcpy(&four, x.q + r * K + b * 32 + quad * 4, 4);
+        dot[r][g] = _mm512_dpbusd_epi32(dot[r][g], codes, _mm512_set1_epi32(four));
+      }
+    }
+}
+
 /* rows r < R: codes at c in the layout of ``bits`` (4: two to a byte; 8: a byte each), their zero ``zero`` */
 VNNI AI void vnni_rows(int R, Quantised x, const uint8_t *c, const float *s, int bits, int32_t zero, int64_t K,
                        float *y, int64_t ldy) {
-  int64_t group_bytes = bits == 4 ? 32 : 64;
   __m512 acc[QCHUNK][2];
   for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < K / 32; b++) {
     __m512i dot[QCHUNK][2];
-    for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
-    for (int quad = 0; quad < 8; quad++)
-      for (int g = 0; g < 2; g++) {
-        const uint8_t *at = c + ((b * 8 + quad) * 2 + g) * group_bytes;
-        __builtin_prefetch(at + 64 * AHEAD, 0, 3);
-        __m512i codes = vnni_codes(at, bits);
-        for (int r = 0; r < R; r++) {
-          int32_t four;
-          memcpy(&four, x.q + r * K + b * 32 + quad * 4, 4);
-          dot[r][g] = _mm512_dpbusd_epi32(dot[r][g], codes, _mm512_set1_epi32(four));
-        }
-      }
+    vnni_block(R, x, c, bits, K, b, dot);
     __m512 s0 = _mm512_loadu_ps(s + b * PANEL), s1 = _mm512_loadu_ps(s + b * PANEL + 16);
     for (int r = 0; r < R; r++) {
       __m512i shift = _mm512_set1_epi32(zero * x.sums[r * (K / 32) + b]);
@@ -114,23 +120,11 @@ VNNI AI void vnni_rows(int R, Quantised x, const uint8_t *c, const float *s, int
  * (2 R of them), the float32 sums go to memory and back once a block; the same operations as vnni_rows */
 VNNI AI void vnni_wide_rows(int R, Quantised x, const uint8_t *c, const float *s, int bits, int32_t zero,
                             int64_t K, float *y, int64_t ldy) {
-  int64_t group_bytes = bits == 4 ? 32 : 64;
   _Alignas(64) float acc[QWIDE][2][16];
   for (int r = 0; r < R; r++) memset(acc[r], 0, sizeof acc[r]);
   for (int64_t b = 0; b < K / 32; b++) {
     __m512i dot[QWIDE][2];
-    for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
-    for (int quad = 0; quad < 8; quad++)
-      for (int g = 0; g < 2; g++) {
-        const uint8_t *at = c + ((b * 8 + quad) * 2 + g) * group_bytes;
-        __builtin_prefetch(at + 64 * AHEAD, 0, 3);
-        __m512i codes = vnni_codes(at, bits);
-        for (int r = 0; r < R; r++) {
-          int32_t four;
-          memcpy(&four, x.q + r * K + b * 32 + quad * 4, 4);
-          dot[r][g] = _mm512_dpbusd_epi32(dot[r][g], codes, _mm512_set1_epi32(four));
-        }
-      }
+    vnni_block(R, x, c, bits, K, b, dot);
     for (int g = 0; g < 2; g++) {
       __m512 sg = _mm512_loadu_ps(s + b * PANEL + 16 * g);
       for (int r = 0; r < R; r++) {
