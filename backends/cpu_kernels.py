@@ -249,7 +249,7 @@ def plan(model, mode: str, provider: str) -> Plan:
     ModelProto, weights loaded or not) for a session whose first provider is ``provider``."""
     from onnx import TensorProto
 
-    from . import fuse_rows
+    from . import fuse_rows, shifts
 
     if mode == "ort":
         return Plan([], 0, "off: cpu_kernels = ort in config")
@@ -271,6 +271,10 @@ def plan(model, mode: str, provider: str) -> Plan:
         wins = {False: isa() in WINS_ON, True: int8_isa() in INT8_WINS_ON}
         found = {i: w for i, w in found.items() if wins[w.kind.endswith("x8")]}
         attention = attention if wins[False] else []
+    q4x8 = {walked[i].output[0] for i, w in found.items() if w.kind == "int4x8" and walked[i].output}
+    shifted = shifts.find(model.graph, lambda node: bool(node.output) and node.output[0] in q4x8)
+    folded = {mm for mm, _ in shifted.values()}  # the shift MatMuls: folded into their kernel, not rewritten
+    found = {i: w for i, w in found.items() if not (walked[i].output and walked[i].output[0] in folded)}
     read = {name for w in found.values() for name in w.names}
     size = sum(int(np.prod(inits[name].dims)) * (1 if inits[name].data_type == TensorProto.UINT8 else 4)
                for name in read)
@@ -279,14 +283,16 @@ def plan(model, mode: str, provider: str) -> Plan:
                               "slower (cpu_kernels = rlxrt forces it)")
     kinds = [w.kind for w in found.values()]
     q4, x8 = kinds.count("int4"), kinds.count("int4x8") + kinds.count("int8x8")
-    parts = [f"{q4} int4"] * bool(q4) + [f"{x8} with int8 activations"] * bool(x8)
+    parts = [f"{q4} int4"] * bool(q4) + [f"{x8} with int8 activations"] * bool(x8) + \
+        [f"{len(shifted)} with a Q4_1 shift"] * bool(shifted)
     isas = isa() + (f", {int8_isa()}" if x8 else "")
     matmuls = [i for i, n in enumerate(walked) if n.op_type in ("MatMul", "Gemm", "MatMulNBits", "MatMulInteger",
                                                                   "FusedMatMul", "GroupQueryAttention", "Attention")]
-    exact = all(i in found or i in attention for i in matmuls)
+    exact = all(i in found or i in attention or walked[i].output[0] in folded for i in matmuls)
     kinds_said = f" ({', '.join(parts)})" if parts else ""
     att_said = f", {len(attention)} attention" if attention else ""
-    widths = {walked[i].output[0]: w.n for i, w in found.items() if walked[i].output}
+    widths = {shifted.get(walked[i].output[0], (None, walked[i].output[0]))[1]: (walked[i].input[0], w.n)
+              for i, w in found.items() if walked[i].output}  # a folded node makes its Add's output
     norms, swiglus = fuse_rows.plan(model.graph, lambda node: widths.get(node.output[0]) if node.output else None)
     rows_said = f", {norms} norms and {swiglus} SwiGLUs" if norms or swiglus else ""
     return Plan(sorted([*found, *attention]), size, f"on: {len(found)} MatMuls{kinds_said}{att_said}{rows_said}, "
@@ -299,7 +305,7 @@ def rewrite(model, chosen: Plan) -> None:
     (``fuse_rows``)."""
     from onnx import helper, numpy_helper
 
-    from . import fuse_rows
+    from . import fuse_rows, shifts
 
     inits = _initializers(model)
     everything = list(_walk(model.graph))
@@ -338,6 +344,7 @@ def rewrite(model, chosen: Plan) -> None:
     del model.graph.initializer[:]
     model.graph.initializer.extend(keep)
     if chosen.nodes:
+        shifts.fold(model.graph)
         fuse_rows.fuse(model.graph)
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))

@@ -49,15 +49,17 @@ def _norm(node, readers: dict, vectors: set) -> list | None:
     return None
 
 
-def rewritten_width(node) -> int | None:
-    """The output width of one of rlxrt's MatMuls (``cpu_kernels.rewrite`` made it), else None."""
-    return int(_attrs(node)["n"]) if node.domain == DOMAIN and node.op_type in OPS.values() else None
+def rewritten_width(node) -> tuple[str, int] | None:
+    """(input, output width) of one of rlxrt's MatMuls (``cpu_kernels.rewrite`` made it), else None."""
+    if node.domain == DOMAIN and node.op_type in OPS.values():
+        return node.input[0], int(_attrs(node)["n"])
+    return None
 
 
 def _swiglu(mul, producers: dict, nodes: list, readers: dict, width) -> tuple | None:
     """(g, u, the positions of the Sigmoid and the first Mul) when ``mul`` ends g * sigmoid(g) * u as the kernels
     take it; ``producers`` maps a value to the position in ``nodes`` of the node that makes it, ``width`` gives
-    the output width of a node that is (or will be) one of rlxrt's MatMuls, else None."""
+    (input, output width) of a node that is (or will be) one of rlxrt's MatMuls, else None."""
 
     def made_by(name, op):
         at = producers.get(name)
@@ -75,8 +77,7 @@ def _swiglu(mul, producers: dict, nodes: list, readers: dict, width) -> tuple | 
             if sig is None or list(nodes[sig].input) != [g]:
                 continue
             a, b = nodes[producers[g]] if g in producers else None, nodes[producers[u]] if u in producers else None
-            if a is not None and b is not None and a.input[0] == b.input[0] and width(a) is not None \
-                    and width(a) == width(b):
+            if a is not None and b is not None and width(a) is not None and width(a) == width(b):
                 return g, u, sig, silu
     return None
 

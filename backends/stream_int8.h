@@ -5,24 +5,41 @@
  * Activations, per row and block of 32: d = max |a| / 127, q = round(a / d) (to nearest even), sum_q.
  * Weights: codes c (0..15 with zero 8, or 0..255 with zero 128) and a float scale s per column and block:
  *     y[r, n] = sum over blocks b in order of (s[b, n] * d[r, b]) * (sum_k c[k, n] q[r, k] - zero * sum_q[r, b])
- * with exact int32 dot products and one fused multiply-add per block into a float32 accumulator.
+ * with exact int32 dot products and one fused multiply-add per block into a float32 accumulator. With a shift
+ * (a GGUF Q4_1 weight: W = scale * code + minimum, exported as the codes against zero 8 plus the rows' block sums
+ * times shift[b, n] = minimum + 8 scale), each block then adds shift[b, n] * xs[r, b] with a second one, xs the
+ * sum of the block's floats (block_sum), so the three nodes that add it in the graph go.
  *
  * Layout, per panel of 32 columns and quad of 4 rows k..k+3 (so one 32-bit lane holds a column's 4 codes):
  * two groups of 16 columns, code t = 4 * column + (k % 4) of a group; 8-bit: 64 bytes a group, byte t;
- * 4-bit: 32 bytes a group, byte i holding code i (low nibble) and code i + 32 (high). Scales [P, K / 32, 32].
+ * 4-bit: 32 bytes a group, byte i holding code i (low nibble) and code i + 32 (high). Scales and shifts
+ * [P, K / 32, 32].
  */
 #define QCHUNK 6 /* rows a pass over a panel's codes takes when a call has more than QWIDE */
 #define QWIDE 12 /* a call of up to this many rows takes one pass (above QCHUNK its sums are kept in memory) */
 #define UNPACKED_BYTES 65536 /* a panel of 4-bit codes unpacked, up to K = 2048 (on the stack) */
 
-typedef struct { const int8_t *q; const float *d; const int32_t *sums; } Quantised;
+/* a [M, K] quantised: q, and per row and block of 32 its d, the sum of its q, and the sum of its floats (xs, for a
+ * weight's shift: a Q4_1 block's minimum and offset, applied as xs times a float per column and block) */
+typedef struct { const int8_t *q; const float *d; const int32_t *sums; const float *xs; } Quantised;
+
+/* the sum of a block's 32 floats in a fixed order: lanes j and j + 16 first, then halves of 8, 4, 2, 1 */
+static inline float block_sum(const float *pairs16) {
+  float p[16];
+  memcpy(p, pairs16, sizeof p);
+  for (int width = 8; width > 0; width /= 2)
+    for (int j = 0; j < width; j++) p[j] += p[j + width];
+  return p[0];
+}
 
 /* a [M, K] as int8 blocks of 32 into q [M, K], d and sums [M, K / 32]; a block holding a NaN or an infinity
  * gets d = NaN, so that its row's outputs are NaN rather than numbers made of nothing */
-static void generic_quantise(const float *a, int64_t M, int64_t K, int8_t *q, float *d, int32_t *sums) {
+static void generic_quantise(const float *a, int64_t M, int64_t K, int8_t *q, float *d, int32_t *sums, float *xs) {
   for (int64_t i = 0; i < M * (K / 32); i++) {
     const float *x = a + i * 32;
-    float top = 0.0f;
+    float top = 0.0f, pairs[16];
+    for (int j = 0; j < 16; j++) pairs[j] = x[j] + x[j + 16];
+    xs[i] = block_sum(pairs);
     int finite = 1;
     for (int j = 0; j < 32; j++) {
       top = fabsf(x[j]) > top ? fabsf(x[j]) : top;
@@ -41,8 +58,8 @@ static void generic_quantise(const float *a, int64_t M, int64_t K, int8_t *q, fl
 }
 
 /* the dot products of one block (8 quads) for one row: generic C */
-static void generic_qpanel(Quantised x, const uint8_t *c, const float *s, int bits, int64_t M, int64_t K,
-                           float *y, int64_t ldy, int64_t width) {
+static void generic_qpanel(Quantised x, const uint8_t *c, const float *s, const float *shift, int bits, int64_t M,
+                           int64_t K, float *y, int64_t ldy, int64_t width) {
   int64_t group_bytes = bits == 4 ? 32 : 64, zero = bits == 4 ? 8 : 128;
   for (int64_t r = 0; r < M; r++) {
     float acc[PANEL] = {0};
@@ -57,8 +74,10 @@ static void generic_qpanel(Quantised x, const uint8_t *c, const float *s, int bi
           }
         }
       float dr = x.d[r * (K / 32) + b];
-      for (int n = 0; n < PANEL; n++)
+      for (int n = 0; n < PANEL; n++) {
         acc[n] = fmaf(s[b * PANEL + n] * dr, (float)(dot[n] - (int32_t)zero * x.sums[r * (K / 32) + b]), acc[n]);
+        if (shift) acc[n] = fmaf(shift[b * PANEL + n], x.xs[r * (K / 32) + b], acc[n]);
+      }
     }
     memcpy(y + r * ldy, acc, width * sizeof(float));
   }
@@ -95,8 +114,8 @@ VNNI AI void vnni_block(int R, Quantised x, const uint8_t *c, int bits, int64_t 
 }
 
 /* rows r < R: codes at c in the layout of ``bits`` (4: two to a byte; 8: a byte each), their zero ``zero`` */
-VNNI AI void vnni_rows(int R, Quantised x, const uint8_t *c, const float *s, int bits, int32_t zero, int64_t K,
-                       float *y, int64_t ldy) {
+VNNI AI void vnni_rows(int R, Quantised x, const uint8_t *c, const float *s, const float *shift, int bits,
+                       int32_t zero, int64_t K, float *y, int64_t ldy) {
   __m512 acc[QCHUNK][2];
   for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < K / 32; b++) {
@@ -104,10 +123,15 @@ VNNI AI void vnni_rows(int R, Quantised x, const uint8_t *c, const float *s, int
     vnni_block(R, x, c, bits, K, b, dot);
     __m512 s0 = _mm512_loadu_ps(s + b * PANEL), s1 = _mm512_loadu_ps(s + b * PANEL + 16);
     for (int r = 0; r < R; r++) {
-      __m512i shift = _mm512_set1_epi32(zero * x.sums[r * (K / 32) + b]);
+      __m512i zeros = _mm512_set1_epi32(zero * x.sums[r * (K / 32) + b]);
       __m512 dr = _mm512_set1_ps(x.d[r * (K / 32) + b]);
-      acc[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(s0, dr), _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][0], shift)), acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(s1, dr), _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][1], shift)), acc[r][1]);
+      acc[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(s0, dr), _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][0], zeros)), acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(s1, dr), _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][1], zeros)), acc[r][1]);
+      if (shift) {
+        __m512 xs = _mm512_set1_ps(x.xs[r * (K / 32) + b]);
+        acc[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(shift + b * PANEL), xs, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(shift + b * PANEL + 16), xs, acc[r][1]);
+      }
     }
   }
   for (int r = 0; r < R; r++) {
@@ -118,8 +142,8 @@ VNNI AI void vnni_rows(int R, Quantised x, const uint8_t *c, const float *s, int
 
 /* vnni_rows for QCHUNK < R <= QWIDE rows: the dot products of the 2 groups of columns stay in registers
  * (2 R of them), the float32 sums go to memory and back once a block; the same operations as vnni_rows */
-VNNI AI void vnni_wide_rows(int R, Quantised x, const uint8_t *c, const float *s, int bits, int32_t zero,
-                            int64_t K, float *y, int64_t ldy) {
+VNNI AI void vnni_wide_rows(int R, Quantised x, const uint8_t *c, const float *s, const float *shift, int bits,
+                            int32_t zero, int64_t K, float *y, int64_t ldy) {
   _Alignas(64) float acc[QWIDE][2][16];
   for (int r = 0; r < R; r++) memset(acc[r], 0, sizeof acc[r]);
   for (int64_t b = 0; b < K / 32; b++) {
@@ -128,10 +152,12 @@ VNNI AI void vnni_wide_rows(int R, Quantised x, const uint8_t *c, const float *s
     for (int g = 0; g < 2; g++) {
       __m512 sg = _mm512_loadu_ps(s + b * PANEL + 16 * g);
       for (int r = 0; r < R; r++) {
-        __m512i shift = _mm512_set1_epi32(zero * x.sums[r * (K / 32) + b]);
+        __m512i zeros = _mm512_set1_epi32(zero * x.sums[r * (K / 32) + b]);
         __m512 dr = _mm512_set1_ps(x.d[r * (K / 32) + b]);
-        __m512 sum = _mm512_fmadd_ps(_mm512_mul_ps(sg, dr), _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][g], shift)),
+        __m512 sum = _mm512_fmadd_ps(_mm512_mul_ps(sg, dr), _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][g], zeros)),
                                      _mm512_load_ps(acc[r][g]));
+        if (shift)
+          sum = _mm512_fmadd_ps(_mm512_loadu_ps(shift + b * PANEL + 16 * g), _mm512_set1_ps(x.xs[r * (K / 32) + b]), sum);
         _mm512_store_ps(acc[r][g], sum);
       }
     }
@@ -142,10 +168,13 @@ VNNI AI void vnni_wide_rows(int R, Quantised x, const uint8_t *c, const float *s
 /* generic_quantise with 16 floats at a time: the same maximum (a NaN skipped, as there), the same float32
  * products, rounded to nearest even by the conversion (the default rounding, as nearbyintf), so the same q, d
  * and sums bit for bit */
-VNNI static void vnni_quantise(const float *a, int64_t M, int64_t K, int8_t *q, float *d, int32_t *sums) {
+VNNI static void vnni_quantise(const float *a, int64_t M, int64_t K, int8_t *q, float *d, int32_t *sums, float *xs) {
   const __m512 zero = _mm512_setzero_ps();
   for (int64_t i = 0; i < M * (K / 32); i++) {
     __m512 x0 = _mm512_loadu_ps(a + i * 32), x1 = _mm512_loadu_ps(a + i * 32 + 16);
+    float pairs[16];
+    _mm512_storeu_ps(pairs, _mm512_add_ps(x0, x1));
+    xs[i] = block_sum(pairs);
     /* vmaxps returns its second operand where either is a NaN: the running maximum survives a NaN */
     __m512 top_v = _mm512_max_ps(_mm512_abs_ps(x1), _mm512_max_ps(_mm512_abs_ps(x0), zero));
     float top = _mm512_reduce_max_ps(top_v);
@@ -171,26 +200,26 @@ VNNI static void vnni_unpack(const uint8_t *c, int64_t K, uint8_t *out) {
 
 /* vnni_rows with the row count, and (inlined where ``bits`` is a constant) the layout, known to the compiler:
  * the accumulators stay in registers */
-VNNI AI void vnni_chunk(int rows, Quantised x, const uint8_t *c, const float *s, int bits, int32_t zero, int64_t K,
-                        float *y, int64_t ldy) {
+VNNI AI void vnni_chunk(int rows, Quantised x, const uint8_t *c, const float *s, const float *shift, int bits,
+                        int32_t zero, int64_t K, float *y, int64_t ldy) {
   switch (rows) {
-    case 1: vnni_rows(1, x, c, s, bits, zero, K, y, ldy); break;
-    case 2: vnni_rows(2, x, c, s, bits, zero, K, y, ldy); break;
-    case 3: vnni_rows(3, x, c, s, bits, zero, K, y, ldy); break;
-    case 4: vnni_rows(4, x, c, s, bits, zero, K, y, ldy); break;
-    case 5: vnni_rows(5, x, c, s, bits, zero, K, y, ldy); break;
-    case 6: vnni_rows(6, x, c, s, bits, zero, K, y, ldy); break;
-    case 7: vnni_wide_rows(7, x, c, s, bits, zero, K, y, ldy); break;
-    case 8: vnni_wide_rows(8, x, c, s, bits, zero, K, y, ldy); break;
-    case 9: vnni_wide_rows(9, x, c, s, bits, zero, K, y, ldy); break;
-    case 10: vnni_wide_rows(10, x, c, s, bits, zero, K, y, ldy); break;
-    case 11: vnni_wide_rows(11, x, c, s, bits, zero, K, y, ldy); break;
-    default: vnni_wide_rows(12, x, c, s, bits, zero, K, y, ldy); break;
+    case 1: vnni_rows(1, x, c, s, shift, bits, zero, K, y, ldy); break;
+    case 2: vnni_rows(2, x, c, s, shift, bits, zero, K, y, ldy); break;
+    case 3: vnni_rows(3, x, c, s, shift, bits, zero, K, y, ldy); break;
+    case 4: vnni_rows(4, x, c, s, shift, bits, zero, K, y, ldy); break;
+    case 5: vnni_rows(5, x, c, s, shift, bits, zero, K, y, ldy); break;
+    case 6: vnni_rows(6, x, c, s, shift, bits, zero, K, y, ldy); break;
+    case 7: vnni_wide_rows(7, x, c, s, shift, bits, zero, K, y, ldy); break;
+    case 8: vnni_wide_rows(8, x, c, s, shift, bits, zero, K, y, ldy); break;
+    case 9: vnni_wide_rows(9, x, c, s, shift, bits, zero, K, y, ldy); break;
+    case 10: vnni_wide_rows(10, x, c, s, shift, bits, zero, K, y, ldy); break;
+    case 11: vnni_wide_rows(11, x, c, s, shift, bits, zero, K, y, ldy); break;
+    default: vnni_wide_rows(12, x, c, s, shift, bits, zero, K, y, ldy); break;
   }
 }
 
-VNNI static void vnni_qpanel(Quantised x, const uint8_t *c, const float *s, int bits, int64_t M, int64_t K,
-                             float *y, int64_t ldy, int64_t width) {
+VNNI static void vnni_qpanel(Quantised x, const uint8_t *c, const float *s, const float *shift, int bits, int64_t M,
+                             int64_t K, float *y, int64_t ldy, int64_t width) {
   float tail[QWIDE * PANEL];
   _Alignas(64) uint8_t bytes[UNPACKED_BYTES];
   int32_t zero = bits == 4 ? 8 : 128;
@@ -202,19 +231,20 @@ VNNI static void vnni_qpanel(Quantised x, const uint8_t *c, const float *s, int 
   }
   for (int64_t m = 0; m < M; m += chunk) {
     int rows = (int)(M - m < chunk ? M - m : chunk);
-    Quantised xm = {x.q + m * K, x.d + m * (K / 32), x.sums + m * (K / 32)};
+    Quantised xm = {x.q + m * K, x.d + m * (K / 32), x.sums + m * (K / 32), x.xs + m * (K / 32)};
     float *out = width == PANEL ? y + m * ldy : tail;
     int64_t ld = width == PANEL ? ldy : PANEL;
-    if (bits == 4) vnni_chunk(rows, xm, c, s, 4, zero, K, out, ld);
-    else vnni_chunk(rows, xm, c, s, 8, zero, K, out, ld);
+    if (bits == 4) vnni_chunk(rows, xm, c, s, shift, 4, zero, K, out, ld);
+    else vnni_chunk(rows, xm, c, s, shift, 8, zero, K, out, ld);
     if (width < PANEL)
       for (int r = 0; r < rows; r++) memcpy(y + (m + r) * ldy, tail + r * PANEL, width * sizeof(float));
   }
 }
 #endif
 
-typedef void (*QPanelFn)(Quantised, const uint8_t *, const float *, int, int64_t, int64_t, float *, int64_t, int64_t);
-typedef void (*QuantiseFn)(const float *, int64_t, int64_t, int8_t *, float *, int32_t *);
+typedef void (*QPanelFn)(Quantised, const uint8_t *, const float *, const float *, int, int64_t, int64_t, float *,
+                         int64_t, int64_t);
+typedef void (*QuantiseFn)(const float *, int64_t, int64_t, int8_t *, float *, int32_t *, float *);
 typedef struct { QPanelFn panel; QuantiseFn quantise; const char *name; } Int8Variant;
 
 /* VNNI where the CPU has it (and RLXRT_CPU_KERNELS_ISA does not say generic), else generic C */

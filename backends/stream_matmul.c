@@ -90,7 +90,7 @@ enum { FLOAT_PANELS, INT4_PANELS, INT8_ACTIVATIONS }; /* StreamMatMul, StreamMat
 #define PANELS_PER_TASK 4
 typedef struct {
   int kind, bits;
-  const float *a, *w, *scales;
+  const float *a, *w, *scales, *shift; /* shift: a StreamMatMulQx8's optional fourth input, or NULL */
   const uint8_t *codes;
   Quantised x;
   float *y;
@@ -108,8 +108,8 @@ static void task(void *data, size_t i) {
   int64_t panel_bytes = j->K / 4 * 2 * (j->bits == 4 ? 32 : 64);
   for (int64_t p = first; p < last; p++) {
     int64_t width = j->N - p * PANEL < PANEL ? j->N - p * PANEL : PANEL;
-    int8.panel(j->x, j->codes + p * panel_bytes, j->scales + p * (j->K / 32) * PANEL, j->bits, j->M, j->K,
-               j->y + p * PANEL, j->N, width);
+    int8.panel(j->x, j->codes + p * panel_bytes, j->scales + p * (j->K / 32) * PANEL,
+               j->shift ? j->shift + p * (j->K / 32) * PANEL : NULL, j->bits, j->M, j->K, j->y + p * PANEL, j->N, width);
   }
 }
 
@@ -120,7 +120,7 @@ static void quantise_task(void *data, size_t i) {
   int64_t first = (int64_t)i * QUANTISE_ROWS, rows = j->M - first < QUANTISE_ROWS ? j->M - first : QUANTISE_ROWS;
   int64_t blocks = first * (j->K / 32);
   int8.quantise(j->a + first * j->K, rows, j->K, (int8_t *)j->x.q + first * j->K, (float *)j->x.d + blocks,
-                (int32_t *)j->x.sums + blocks);
+                (int32_t *)j->x.sums + blocks, (float *)j->x.xs + blocks);
 }
 
 /* ---- the custom op ----------------------------------------------------------------------------------- */
@@ -176,39 +176,42 @@ static int layout_ok(const Kernel *kernel, const int64_t (*dims)[8], const size_
 static Status *compute(void *kernel_data, void *context) {
   const Kernel *kernel = kernel_data;
   Api api = kernel->api;
-  size_t inputs = kernel->kind == FLOAT_PANELS ? 2 : 3, rank[3] = {0, 0, 0};
-  const void *in[3] = {NULL, NULL, NULL};
-  int64_t dims[3][8], K = -1, P = -1;
-  int type[3] = {0, 0, 0};
+  size_t inputs = kernel->kind == FLOAT_PANELS ? 2 : kernel->kind == INT4_PANELS ? 3 : 4, rank[4] = {0, 0, 0, 0};
+  const void *in[4] = {NULL, NULL, NULL, NULL};
+  int64_t dims[4][8], K = -1, P = -1;
+  int type[4] = {0, 0, 0, 0};
   Status *s = NULL;
   for (size_t i = 0; i < inputs && !s; i++) {
     s = CALL(api, KERNEL_CONTEXT_GET_INPUT, GetInputFn)(context, i, &in[i]);
-    if (!s) s = shape_of(api, in[i], &type[i], dims[i], &rank[i]);
+    if (!s && in[i]) s = shape_of(api, in[i], &type[i], dims[i], &rank[i]); /* input 3 (a shift) is optional */
   }
   if (s) return s;
-  if (type[0] != FLOAT || type[1] != (kernel->kind == FLOAT_PANELS ? FLOAT : UINT8) || (inputs == 3 && type[2] != FLOAT))
+  if (type[0] != FLOAT || type[1] != (kernel->kind == FLOAT_PANELS ? FLOAT : UINT8) || (inputs >= 3 && type[2] != FLOAT))
     return fail(api, ORT_INVALID_ARGUMENT, "StreamMatMul: the inputs' element types are not the op's");
   if (!layout_ok(kernel, (const int64_t (*)[8])dims, rank, &K, &P))
     return fail(api, ORT_INVALID_ARGUMENT, "StreamMatMul: the weight's shape is not the op's packed layout");
+  if (in[3] && (type[3] != FLOAT || rank[3] != 3 || dims[3][0] != P || dims[3][1] != K / 32 || dims[3][2] != PANEL))
+    return fail(api, ORT_INVALID_ARGUMENT, "StreamMatMulQx8: the shift must be float32 [P, K / 32, 32], as the scales");
   const int64_t *a_dims = dims[0];
   size_t a_rank = rank[0];
   /* a quantised weight's K is padded to whole blocks of 32 (its padding codes weigh 0): the input may be up to
    * 31 columns shorter, and is then read through a zero-padded copy */
   int64_t Ka = a_rank < 1 ? -1 : a_dims[a_rank - 1];
-  if (Ka != K && (kernel->kind == FLOAT_PANELS || Ka <= K - 32 || Ka > K))
+  if (Ka != K && (kernel->kind == FLOAT_PANELS || in[3] || Ka <= K - 32 || Ka > K))
     return fail(api, ORT_INVALID_ARGUMENT, "StreamMatMul: the input's last dimension must equal the weight's K");
   int64_t M = 1, N = kernel->n, y_dims[8];
   for (size_t i = 0; i + 1 < a_rank; i++) { M *= a_dims[i]; y_dims[i] = a_dims[i]; }
   y_dims[a_rank - 1] = N;
-  void *y_value = NULL, *data[3] = {NULL, NULL, NULL}, *y = NULL;
+  void *y_value = NULL, *data[4] = {NULL, NULL, NULL, NULL}, *y = NULL;
   s = CALL(api, KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(context, 0, y_dims, a_rank, &y_value);
-  for (size_t i = 0; i < inputs && !s; i++) s = CALL(api, GET_TENSOR_MUTABLE_DATA, DataFn)(in[i], &data[i]);
+  for (size_t i = 0; i < inputs && !s; i++)
+    if (in[i]) s = CALL(api, GET_TENSOR_MUTABLE_DATA, DataFn)(in[i], &data[i]);
   if (!s) s = CALL(api, GET_TENSOR_MUTABLE_DATA, DataFn)(y_value, &y);
   if (s || M == 0 || N == 0) return s;
   Job job = {kernel->kind, (int)kernel->bits, data[0], kernel->kind == FLOAT_PANELS ? data[1] : NULL, data[2],
-             kernel->kind == FLOAT_PANELS ? NULL : data[1], {NULL, NULL, NULL}, y, M, K, N, P};
+             data[3], kernel->kind == FLOAT_PANELS ? NULL : data[1], {NULL, NULL, NULL, NULL}, y, M, K, N, P};
   void *scratch = NULL, *padded = NULL;
-  _Alignas(64) char small[16384], small_padded[16384]; /* a decode step's activations: no allocation */
+  _Alignas(64) char small[32768], small_padded[16384]; /* a batched step's activations: no allocation */
   if (Ka != K) {
     size_t bytes = (size_t)(M * K) * sizeof(float);
     padded = bytes <= sizeof small_padded ? small_padded : malloc(bytes);
@@ -221,7 +224,7 @@ static Status *compute(void *kernel_data, void *context) {
     job.a = rows;
   }
   if (kernel->kind == INT8_ACTIVATIONS) {
-    size_t bytes = (size_t)(M * K) + (size_t)(M * K / 32) * 8;
+    size_t bytes = (size_t)(M * K) + (size_t)(M * K / 32) * 12;
     scratch = bytes <= sizeof small ? small : malloc(bytes);
     if (!scratch) {
       if (padded != small_padded) free(padded);
@@ -229,10 +232,11 @@ static Status *compute(void *kernel_data, void *context) {
     }
     float *d = (float *)((char *)scratch + M * K);
     int32_t *sums = (int32_t *)(d + M * K / 32);
-    job.x = (Quantised){scratch, d, sums};
+    float *xs = (float *)(sums + M * K / 32);
+    job.x = (Quantised){scratch, d, sums, xs};
     size_t parts = (size_t)((M + QUANTISE_ROWS - 1) / QUANTISE_ROWS);
     if (parts > 1) s = CALL(api, KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(context, quantise_task, parts, 0, &job);
-    else int8.quantise(job.a, M, K, (int8_t *)scratch, d, sums);
+    else int8.quantise(job.a, M, K, (int8_t *)scratch, d, sums, xs);
   }
   size_t tasks = (size_t)((P + PANELS_PER_TASK - 1) / PANELS_PER_TASK);
   if (!s) s = CALL(api, KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(context, task, tasks, 0, &job);
@@ -266,15 +270,17 @@ static const char *name(const CustomOp *op) { return NAMES[op - ops]; }
 static const char *provider(const CustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static int input_type(const CustomOp *op, size_t i) { return i == 1 && op != ops ? UINT8 : FLOAT; }
 static int float_type(const CustomOp *op, size_t i) { (void)op; (void)i; return FLOAT; }
-static size_t input_count(const CustomOp *op) { return op == ops ? 2 : 3; }
+static size_t input_count(const CustomOp *op) { return op == ops ? 2 : op == ops + 1 ? 3 : 4; }
+static int shift_optional(const CustomOp *op, size_t i) { return op == ops + 2 && i == 3 ? 1 : 0; } /* 1: optional */
 static size_t one(const CustomOp *op) { (void)op; return 1; }
 static int zero(const CustomOp *op, size_t i) { (void)op; (void)i; return 0; } /* required; default memory */
 
 #define OP {.version = 16, .GetName = name, .GetExecutionProviderType = provider, .GetInputType = input_type,    \
             .GetInputTypeCount = input_count, .GetOutputType = float_type, .GetOutputTypeCount = one,           \
-            .KernelDestroy = destroy, .GetInputCharacteristic = zero, .GetOutputCharacteristic = zero,          \
+            .KernelDestroy = destroy, .GetInputCharacteristic = shift_optional, .GetOutputCharacteristic = zero,\
             .GetInputMemoryType = zero, .CreateKernelV2 = create, .KernelComputeV2 = compute}
-/* x @ float32 panels; x @ int4 codes with their scales; x as int8 @ 4- or 8-bit codes with their scales */
+/* x @ float32 panels; x @ int4 codes with their scales; x as int8 @ 4- or 8-bit codes with their scales (and
+ * an optional shift) */
 static const CustomOp ops[3] = {OP, OP, OP};
 
 static const CustomOp attention_op = {
