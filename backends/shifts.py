@@ -14,26 +14,12 @@ Reshape go.
 """
 from __future__ import annotations
 
-import numpy as np
-
-from .cpu_kernels import DOMAIN, PANEL, _attrs
+from .cpu_kernels import DOMAIN, _attrs, pack
+from .fuse_rows import _readers
 
 
 def _producers(graph) -> dict:
     return {out: node for node in graph.node for out in node.output if out}
-
-
-def _readers(graph) -> dict[str, int]:
-    """How many nodes (of the graph and its subgraphs) and graph outputs read each value."""
-    from .cpu_kernels import _walk
-
-    counts: dict[str, int] = {}
-    for node in _walk(graph):
-        for name in node.input:
-            counts[name] = counts.get(name, 0) + 1
-    for out in graph.output:
-        counts[out.name] = counts.get(out.name, 0) + 1
-    return counts
 
 
 def _block_sums_of(name: str, producers: dict, inits: dict) -> str | None:
@@ -84,15 +70,6 @@ def find(graph, is_q4x8) -> dict[str, tuple[str, str]]:
     return found
 
 
-def pack(shift: np.ndarray) -> np.ndarray:
-    """A shift [K/32, N] as the kernel's panels [P, K/32, 32] (the scales' layout), padding columns 0."""
-    blocks, n = shift.shape
-    panels = -(-n // PANEL)
-    out = np.zeros((blocks, panels * PANEL), np.float32)
-    out[:, :n] = shift
-    return np.ascontiguousarray(out.reshape(blocks, panels, PANEL).transpose(1, 0, 2))
-
-
 def fold(graph) -> int:
     """Fold every pattern over a 4-bit ``StreamMatMulQx8`` in ``graph`` (weights loaded); how many."""
     from onnx import numpy_helper
@@ -113,7 +90,7 @@ def fold(graph) -> int:
             continue
         q, mm, shift = m
         name = f"{shift.name}.panels"
-        graph.initializer.append(numpy_helper.from_array(pack(numpy_helper.to_array(shift)), name))
+        graph.initializer.append(numpy_helper.from_array(pack(numpy_helper.to_array(shift)), name))  # as scales
         q.input.append(name)
         q.output[0], add.output[0] = add.output[0], f"{add.output[0]}#folded"
         removed += [add, mm]
