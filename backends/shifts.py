@@ -1,4 +1,5 @@
-"""A GGUF Q4_1 weight's shift folded into its ``StreamMatMulQx8`` (stream_int8.h).
+"""A GGUF Q4_1 weight's shift folded into its ``StreamMatMulQx8`` or ``StreamMatMulQ4`` (stream_int8.h,
+stream_matmul.c).
 
 A Q4_1 block is ``scale * code + minimum``; the fused exporter writes it as ``MatMulNBits`` over the codes
 (against zero 8) plus the rows' block sums times ``shift = minimum + 8 scale``:
@@ -6,11 +7,11 @@ A Q4_1 block is ``scale * code + minimum``; the fused exporter writes it as ``Ma
     y = Add(MatMulNBits(x, codes, scales), MatMul(ReduceSum(Reshape(x, [.., K/32, 32]), -1), shift [K/32, N]))
 
 Four more nodes a weight (two of them shared by the weights that read the same x), which on a batched step cost
-more than the arithmetic they do. Where ``cpu_kernels`` takes the MatMulNBits with int8 activations, ``find``
-names the pattern for the plan (whose shift MatMul then stays out of the float MatMuls), and ``fold`` gives the
-kernel the shift, packed as the scales are, as its fourth input: each block adds ``shift[b, n] * xs[r, b]``, xs
-the sum of the row's 32 floats, and the Add, the MatMul and (once nothing else reads them) the ReduceSum and the
-Reshape go.
+more than the arithmetic they do. Where ``cpu_kernels`` takes the 4-bit MatMulNBits, ``find`` names the pattern
+for the plan (whose shift MatMul then stays out of the float MatMuls), and ``fold`` gives the kernel the shift,
+packed as the scales are, as its fourth input, and the Add, the MatMul and (once nothing else reads them) the
+ReduceSum and the Reshape go. With int8 activations each block adds ``shift[b, n] * xs[r, b]``, xs the sum of
+the row's 32 floats; in float32 arithmetic the panel's outputs add ``sum over b of xs[r, b] * shift[b, n]``.
 """
 from __future__ import annotations
 
@@ -38,13 +39,13 @@ def _block_sums_of(name: str, producers: dict, inits: dict) -> str | None:
     return shaped.input[0] if len(shape) >= 2 and shape[-1] == 32 else None
 
 
-def _match(add, producers: dict, readers: dict, inits: dict, is_q4x8) -> tuple | None:
+def _match(add, producers: dict, readers: dict, inits: dict, is_q4) -> tuple | None:
     """(the MatMulNBits-like node, the shift MatMul, the shift's initializer) when ``add`` ends the pattern."""
     if add.op_type != "Add" or add.domain not in ("", "ai.onnx") or len(add.input) != 2:
         return None
     for y1, y2 in (add.input, add.input[::-1]):
         q, mm = producers.get(y1), producers.get(y2)
-        if q is None or mm is None or not is_q4x8(q) or readers.get(y1) != 1 or readers.get(y2) != 1 \
+        if q is None or mm is None or not is_q4(q) or readers.get(y1) != 1 or readers.get(y2) != 1 \
                 or mm.op_type != "MatMul" or mm.domain not in ("", "ai.onnx") or len(mm.input) != 2:
             continue
         shift = inits.get(mm.input[1])
@@ -57,21 +58,22 @@ def _match(add, producers: dict, readers: dict, inits: dict, is_q4x8) -> tuple |
     return None
 
 
-def find(graph, is_q4x8) -> dict[str, tuple[str, str]]:
-    """For each main-graph pattern whose quantised MatMul ``is_q4x8`` says the kernel takes: that node's output
+def find(graph, is_q4) -> dict[str, tuple[str, str]]:
+    """For each main-graph pattern whose quantised MatMul ``is_q4`` says the kernel takes: that node's output
     -> (its shift MatMul's output, the Add's output, which the folded node will make)."""
     producers, readers = _producers(graph), _readers(graph)
     inits = {t.name: t for t in graph.initializer}
     found = {}
     for node in graph.node:
-        m = _match(node, producers, readers, inits, is_q4x8)
+        m = _match(node, producers, readers, inits, is_q4)
         if m is not None:
             found[m[0].output[0]] = (m[1].output[0], node.output[0])
     return found
 
 
 def fold(graph) -> int:
-    """Fold every pattern over a 4-bit ``StreamMatMulQx8`` in ``graph`` (weights loaded); how many."""
+    """Fold every pattern over a 4-bit ``StreamMatMulQx8`` or a ``StreamMatMulQ4`` in ``graph`` (weights loaded);
+    how many."""
     from onnx import numpy_helper
 
     from .cpu_kernels import _walk
@@ -79,13 +81,13 @@ def fold(graph) -> int:
     producers, readers = _producers(graph), _readers(graph)
     inits = {t.name: t for t in graph.initializer}
 
-    def is_q4x8(node):
-        return node.domain == DOMAIN and node.op_type == "StreamMatMulQx8" and _attrs(node).get("bits") == 4 \
-            and len(node.input) == 3
+    def is_q4(node):
+        return node.domain == DOMAIN and len(node.input) == 3 and (
+            node.op_type == "StreamMatMulQ4" or (node.op_type == "StreamMatMulQx8" and _attrs(node).get("bits") == 4))
 
     removed: list = []  # the nodes that go
     for add in list(graph.node):
-        m = _match(add, producers, readers, inits, is_q4x8)
+        m = _match(add, producers, readers, inits, is_q4)
         if m is None:
             continue
         q, mm, shift = m

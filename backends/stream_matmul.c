@@ -97,12 +97,29 @@ typedef struct {
   int64_t M, K, N, P;
 } Job;
 
+/* an int4 panel's shift (a GGUF Q4_1 weight's, StreamMatMulQ4's fourth input) added to its columns of y:
+ * y[r, n] += sum over blocks b in order of xs[r, b] * shift[b, n], xs the rows' block sums. Plain C compiled once
+ * for every variant, so a row's bits do not depend on the variant's path nor on the other rows. */
+static void add_shift(const Job *j, int64_t p) {
+  int64_t blocks = j->K / 32, col = p * PANEL, width = j->N - col < PANEL ? j->N - col : PANEL;
+  const float *shift = j->shift + p * blocks * PANEL;
+  for (int64_t r = 0; r < j->M; r++) {
+    float t[PANEL] = {0}, *y = j->y + r * j->N + col;
+    for (int64_t b = 0; b < blocks; b++) {
+      float xs = j->x.xs[r * blocks + b];
+      for (int n = 0; n < PANEL; n++) t[n] += xs * shift[b * PANEL + n];
+    }
+    for (int64_t n = 0; n < width; n++) y[n] += t[n];
+  }
+}
+
 static void task(void *data, size_t i) {
   const Job *j = data;
   int64_t first = (int64_t)i * PANELS_PER_TASK, last = first + PANELS_PER_TASK;
   last = last < j->P ? last : j->P;
   if (j->kind != INT8_ACTIVATIONS) {
     variant.panels(j->a, j->w, j->codes, j->scales, j->y, j->M, j->K, j->N, first, last);
+    for (int64_t p = first; j->shift && p < last; p++) add_shift(j, p);
     return;
   }
   int64_t panel_bytes = j->K / 4 * 2 * (j->bits == 4 ? 32 : 64);
@@ -176,7 +193,7 @@ static int layout_ok(const Kernel *kernel, const int64_t (*dims)[8], const size_
 static Status *compute(void *kernel_data, void *context) {
   const Kernel *kernel = kernel_data;
   Api api = kernel->api;
-  size_t inputs = kernel->kind == FLOAT_PANELS ? 2 : kernel->kind == INT4_PANELS ? 3 : 4, rank[4] = {0, 0, 0, 0};
+  size_t inputs = kernel->kind == FLOAT_PANELS ? 2 : 4, rank[4] = {0, 0, 0, 0};
   const void *in[4] = {NULL, NULL, NULL, NULL};
   int64_t dims[4][8], K = -1, P = -1;
   int type[4] = {0, 0, 0, 0};
@@ -191,7 +208,9 @@ static Status *compute(void *kernel_data, void *context) {
   if (!layout_ok(kernel, (const int64_t (*)[8])dims, rank, &K, &P))
     return fail(api, ORT_INVALID_ARGUMENT, "StreamMatMul: the weight's shape is not the op's packed layout");
   if (in[3] && (type[3] != FLOAT || rank[3] != 3 || dims[3][0] != P || dims[3][1] != K / 32 || dims[3][2] != PANEL))
-    return fail(api, ORT_INVALID_ARGUMENT, "StreamMatMulQx8: the shift must be float32 [P, K / 32, 32], as the scales");
+    return fail(api, ORT_INVALID_ARGUMENT, kernel->kind == INT4_PANELS ?
+                "StreamMatMulQ4: the shift must be float32 [P, K / 32, 32], as the scales" :
+                "StreamMatMulQx8: the shift must be float32 [P, K / 32, 32], as the scales");
   const int64_t *a_dims = dims[0];
   size_t a_rank = rank[0];
   /* a quantised weight's K is padded to whole blocks of 32 (its padding codes weigh 0): the input may be up to
@@ -222,6 +241,20 @@ static Status *compute(void *kernel_data, void *context) {
       memset(rows + r * K + Ka, 0, (size_t)(K - Ka) * sizeof(float));
     }
     job.a = rows;
+  }
+  if (kernel->kind == INT4_PANELS && in[3]) { /* the rows' block sums, for the shift */
+    size_t bytes = (size_t)(M * K / 32) * sizeof(float);
+    scratch = bytes <= sizeof small ? small : malloc(bytes);
+    if (!scratch) {
+      if (padded != small_padded) free(padded);
+      return fail(api, ORT_FAIL, "StreamMatMul: out of memory");
+    }
+    float *xs = scratch, pairs[16];
+    for (int64_t i = 0; i < M * (K / 32); i++) {
+      for (int l = 0; l < 16; l++) pairs[l] = job.a[i * 32 + l] + job.a[i * 32 + l + 16];
+      xs[i] = block_sum(pairs);
+    }
+    job.x.xs = xs;
   }
   if (kernel->kind == INT8_ACTIVATIONS) {
     size_t bytes = (size_t)(M * K) + (size_t)(M * K / 32) * 12;
@@ -270,8 +303,8 @@ static const char *name(const CustomOp *op) { return NAMES[op - ops]; }
 static const char *provider(const CustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static int input_type(const CustomOp *op, size_t i) { return i == 1 && op != ops ? UINT8 : FLOAT; }
 static int float_type(const CustomOp *op, size_t i) { (void)op; (void)i; return FLOAT; }
-static size_t input_count(const CustomOp *op) { return op == ops ? 2 : op == ops + 1 ? 3 : 4; }
-static int shift_optional(const CustomOp *op, size_t i) { return op == ops + 2 && i == 3 ? 1 : 0; } /* 1: optional */
+static size_t input_count(const CustomOp *op) { return op == ops ? 2 : 4; }
+static int shift_optional(const CustomOp *op, size_t i) { return op != ops && i == 3 ? 1 : 0; } /* 1: optional */
 static size_t one(const CustomOp *op) { (void)op; return 1; }
 static int zero(const CustomOp *op, size_t i) { (void)op; (void)i; return 0; } /* required; default memory */
 
@@ -279,8 +312,8 @@ static int zero(const CustomOp *op, size_t i) { (void)op; (void)i; return 0; } /
             .GetInputTypeCount = input_count, .GetOutputType = float_type, .GetOutputTypeCount = one,           \
             .KernelDestroy = destroy, .GetInputCharacteristic = shift_optional, .GetOutputCharacteristic = zero,\
             .GetInputMemoryType = zero, .CreateKernelV2 = create, .KernelComputeV2 = compute}
-/* x @ float32 panels; x @ int4 codes with their scales; x as int8 @ 4- or 8-bit codes with their scales (and
- * an optional shift) */
+/* x @ float32 panels; x @ int4 codes with their scales (and an optional shift); x as int8 @ 4- or 8-bit codes
+ * with their scales (and an optional shift) */
 static const CustomOp ops[3] = {OP, OP, OP};
 
 static const CustomOp attention_op = {
