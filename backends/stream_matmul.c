@@ -90,7 +90,7 @@ enum { FLOAT_PANELS, INT4_PANELS, INT8_ACTIVATIONS }; /* StreamMatMul, StreamMat
 #define PANELS_PER_TASK 4
 typedef struct {
   int kind, bits;
-  const float *a, *w, *scales, *shift; /* shift: a StreamMatMulQx8's optional fourth input, or NULL */
+  const float *a, *w, *scales, *shift; /* shift: a StreamMatMulQ4 or Qx8 one's optional fourth input, or NULL */
   const uint8_t *codes;
   Quantised x;
   float *y;
