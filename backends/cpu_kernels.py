@@ -271,8 +271,8 @@ def plan(model, mode: str, provider: str) -> Plan:
         wins = {False: isa() in WINS_ON, True: int8_isa() in INT8_WINS_ON}
         found = {i: w for i, w in found.items() if wins[w.kind.endswith("x8")]}
         attention = attention if wins[False] else []
-    q4 = {walked[i].output[0] for i, w in found.items() if w.kind in ("int4", "int4x8") and walked[i].output}
-    shifted = shifts.find(model.graph, lambda node: bool(node.output) and node.output[0] in q4)
+    int4_outputs = {walked[i].output[0] for i, w in found.items() if w.kind in ("int4", "int4x8") and walked[i].output}
+    shifted = shifts.find(model.graph, lambda node: bool(node.output) and node.output[0] in int4_outputs)
     folded = {mm for mm, _ in shifted.values()}  # the shift MatMuls: folded into their kernel, not rewritten
     found = {i: w for i, w in found.items() if not (walked[i].output and walked[i].output[0] in folded)}
     read = {name for w in found.values() for name in w.names}

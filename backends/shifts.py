@@ -49,7 +49,8 @@ def _match(add, producers: dict, readers: dict, inits: dict, is_q4) -> tuple | N
                 or mm.op_type != "MatMul" or mm.domain not in ("", "ai.onnx") or len(mm.input) != 2:
             continue
         shift = inits.get(mm.input[1])
-        k, n = int(_attrs(q).get("K", -1)) if q.domain != DOMAIN else -1, int(_attrs(q).get("N", _attrs(q).get("n", -1)))
+        attrs = _attrs(q)  # MatMulNBits (K, N), or the kernel that replaced it (n; its K is in its packing)
+        k, n = int(attrs.get("K", -1)), int(attrs.get("N", attrs.get("n", -1)))
         if shift is None or shift.data_type != 1 or len(shift.dims) != 2 or int(shift.dims[1]) != n \
                 or (k >= 0 and (k % 32 or int(shift.dims[0]) != k // 32)):
             continue

@@ -23,10 +23,10 @@
  * weight's shift: a Q4_1 block's minimum and offset, applied as xs times a float per column and block) */
 typedef struct { const int8_t *q; const float *d; const int32_t *sums; const float *xs; } Quantised;
 
-/* the sum of a block's 32 floats in a fixed order: lanes j and j + 16 first, then halves of 8, 4, 2, 1 */
-static inline float block_sum(const float *pairs16) {
+/* the sum of a block's 32 floats in a fixed order: x[j] + x[j + 16] first, then halves of 8, 4, 2, 1 */
+static inline float block_sum(const float *x) {
   float p[16];
-  memcpy(p, pairs16, sizeof p);
+  for (int j = 0; j < 16; j++) p[j] = x[j] + x[j + 16];
   for (int width = 8; width > 0; width /= 2)
     for (int j = 0; j < width; j++) p[j] += p[j + width];
   return p[0];
@@ -37,9 +37,8 @@ static inline float block_sum(const float *pairs16) {
 static void generic_quantise(const float *a, int64_t M, int64_t K, int8_t *q, float *d, int32_t *sums, float *xs) {
   for (int64_t i = 0; i < M * (K / 32); i++) {
     const float *x = a + i * 32;
-    float top = 0.0f, pairs[16];
-    for (int j = 0; j < 16; j++) pairs[j] = x[j] + x[j + 16];
-    xs[i] = block_sum(pairs);
+    float top = 0.0f;
+    if (xs) xs[i] = block_sum(x); /* only a call with a shift reads them */
     int finite = 1;
     for (int j = 0; j < 32; j++) {
       top = fabsf(x[j]) > top ? fabsf(x[j]) : top;
@@ -172,9 +171,7 @@ VNNI static void vnni_quantise(const float *a, int64_t M, int64_t K, int8_t *q, 
   const __m512 zero = _mm512_setzero_ps();
   for (int64_t i = 0; i < M * (K / 32); i++) {
     __m512 x0 = _mm512_loadu_ps(a + i * 32), x1 = _mm512_loadu_ps(a + i * 32 + 16);
-    float pairs[16];
-    _mm512_storeu_ps(pairs, _mm512_add_ps(x0, x1));
-    xs[i] = block_sum(pairs);
+    if (xs) xs[i] = block_sum(a + i * 32);
     /* vmaxps returns its second operand where either is a NaN: the running maximum survives a NaN */
     __m512 top_v = _mm512_max_ps(_mm512_abs_ps(x1), _mm512_max_ps(_mm512_abs_ps(x0), zero));
     float top = _mm512_reduce_max_ps(top_v);
@@ -231,7 +228,8 @@ VNNI static void vnni_qpanel(Quantised x, const uint8_t *c, const float *s, cons
   }
   for (int64_t m = 0; m < M; m += chunk) {
     int rows = (int)(M - m < chunk ? M - m : chunk);
-    Quantised xm = {x.q + m * K, x.d + m * (K / 32), x.sums + m * (K / 32), x.xs + m * (K / 32)};
+    Quantised xm = {x.q + m * K, x.d + m * (K / 32), x.sums + m * (K / 32),
+                    x.xs ? x.xs + m * (K / 32) : NULL};
     float *out = width == PANEL ? y + m * ldy : tail;
     int64_t ld = width == PANEL ? ldy : PANEL;
     if (bits == 4) vnni_chunk(rows, xm, c, s, shift, 4, zero, K, out, ld);

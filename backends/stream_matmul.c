@@ -137,7 +137,7 @@ static void quantise_task(void *data, size_t i) {
   int64_t first = (int64_t)i * QUANTISE_ROWS, rows = j->M - first < QUANTISE_ROWS ? j->M - first : QUANTISE_ROWS;
   int64_t blocks = first * (j->K / 32);
   int8.quantise(j->a + first * j->K, rows, j->K, (int8_t *)j->x.q + first * j->K, (float *)j->x.d + blocks,
-                (int32_t *)j->x.sums + blocks, (float *)j->x.xs + blocks);
+                (int32_t *)j->x.sums + blocks, j->x.xs ? (float *)j->x.xs + blocks : NULL);
 }
 
 /* ---- the custom op ----------------------------------------------------------------------------------- */
@@ -249,11 +249,8 @@ static Status *compute(void *kernel_data, void *context) {
       if (padded != small_padded) free(padded);
       return fail(api, ORT_FAIL, "StreamMatMul: out of memory");
     }
-    float *xs = scratch, pairs[16];
-    for (int64_t i = 0; i < M * (K / 32); i++) {
-      for (int l = 0; l < 16; l++) pairs[l] = job.a[i * 32 + l] + job.a[i * 32 + l + 16];
-      xs[i] = block_sum(pairs);
-    }
+    float *xs = scratch;
+    for (int64_t i = 0; i < M * (K / 32); i++) xs[i] = block_sum(job.a + i * 32);
     job.x.xs = xs;
   }
   if (kernel->kind == INT8_ACTIVATIONS) {
@@ -265,7 +262,7 @@ static Status *compute(void *kernel_data, void *context) {
     }
     float *d = (float *)((char *)scratch + M * K);
     int32_t *sums = (int32_t *)(d + M * K / 32);
-    float *xs = (float *)(sums + M * K / 32);
+    float *xs = in[3] ? (float *)(sums + M * K / 32) : NULL; /* block sums: only for a shift */
     job.x = (Quantised){scratch, d, sums, xs};
     size_t parts = (size_t)((M + QUANTISE_ROWS - 1) / QUANTISE_ROWS);
     if (parts > 1) s = CALL(api, KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(context, quantise_task, parts, 0, &job);
