@@ -15,8 +15,8 @@
  * 4-bit: 32 bytes a group, byte i holding code i (low nibble) and code i + 32 (high). Scales and shifts
  * [P, K / 32, 32].
  */
-#define QCHUNK 6 /* rows a pass over a panel's codes takes when a call has more than QWIDE */
-#define QWIDE 12 /* a call of up to this many rows takes one pass (above QCHUNK its sums are kept in memory) */
+#define QCHUNK 6 /* rows a pass over a panel's codes takes when a call has more than QWIDE (fastest of 4-8) */
+#define QWIDE 12 /* a call of up to this many rows takes one pass */
 #define UNPACKED_BYTES 65536 /* a panel of 4-bit codes unpacked, up to K = 2048 (on the stack) */
 
 /* a [M, K] quantised: q, and per row and block of 32 its d, the sum of its q, and the sum of its floats (xs, for a
@@ -94,71 +94,49 @@ VNNI AI __m512i vnni_codes(const uint8_t *bytes, int bits) {
   return _mm512_and_si512(both, _mm512_set1_epi8(15));
 }
 
-/* the exact int32 dot products of block b for rows r < R (R a constant where inlined), both groups of 16 columns:
- * dot[r][g] = sum over the block's 8 quads, in order, of the codes of group g by the row's 4 activations */
-VNNI AI void vnni_block(int R, Quantised x, const uint8_t *c, int bits, int64_t K, int64_t b, __m512i (*dot)[2]) {
-  int64_t group_bytes = bits == 4 ? 32 : 64;
-  for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
-  for (int quad = 0; quad < 8; quad++)
-    for (int g = 0; g < 2; g++) {
-      const uint8_t *at = c + ((b * 8 + quad) * 2 + g) * group_bytes;
-      __builtin_prefetch(at + 64 * AHEAD, 0, 3);
-      __m512i codes = vnni_codes(at, bits);
+/* rows r < R (R a constant, at most QWIDE) of a panel, codes at c in the layout of ``bits`` (4: two to a byte;
+ * 8: a byte each), their zero ``zero``. Per block of 32: the 2 R dot products (both groups of 16 columns) stay
+ * in registers, started at -zero * sum_q, so that they end as the exact sum_k c q - zero sum_q; the float32 sums
+ * go to memory and back once a block (as registers they spilled: 0.55-0.65x the time at 2-12 rows and 224,
+ * docs/kernels.md). Every row gets the same operations in the same order whatever R. */
+VNNI AI void vnni_rows(int R, Quantised x, const uint8_t *c, const float *s, const float *shift, int bits,
+                       int32_t zero, int64_t K, float *y, int64_t ldy) {
+  int64_t group_bytes = bits == 4 ? 32 : 64, blocks = K / 32;
+  _Alignas(64) float acc[QWIDE][2][16];
+  for (int r = 0; r < R; r++) memset(acc[r], 0, sizeof acc[r]);
+  for (int64_t b = 0; b < blocks; b++) {
+    __m512i dot[QWIDE][2];
+    const uint8_t *at = c + b * 16 * group_bytes;
+#pragma GCC unroll 12
+    for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm512_set1_epi32(-zero * x.sums[r * blocks + b]);
+#pragma GCC unroll 8
+    for (int quad = 0; quad < 8; quad++) {
+      const uint8_t *g0 = at + quad * 2 * group_bytes, *g1 = g0 + group_bytes;
+      __builtin_prefetch(g0 + 64 * AHEAD, 0, 3);
+      __builtin_prefetch(g1 + 64 * AHEAD, 0, 3);
+      __m512i c0 = vnni_codes(g0, bits), c1 = vnni_codes(g1, bits);
+#pragma GCC unroll 12
       for (int r = 0; r < R; r++) {
         int32_t four;
         memcpy(&four, x.q + r * K + b * 32 + quad * 4, 4);
-        dot[r][g] = _mm512_dpbusd_epi32(dot[r][g], codes, _mm512_set1_epi32(four));
+        __m512i q4 = _mm512_set1_epi32(four);
+        dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], c0, q4);
+        dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], c1, q4);
       }
     }
-}
-
-/* rows r < R: codes at c in the layout of ``bits`` (4: two to a byte; 8: a byte each), their zero ``zero`` */
-VNNI AI void vnni_rows(int R, Quantised x, const uint8_t *c, const float *s, const float *shift, int bits,
-                       int32_t zero, int64_t K, float *y, int64_t ldy) {
-  __m512 acc[QCHUNK][2];
-  for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < K / 32; b++) {
-    __m512i dot[QCHUNK][2];
-    vnni_block(R, x, c, bits, K, b, dot);
     __m512 s0 = _mm512_loadu_ps(s + b * PANEL), s1 = _mm512_loadu_ps(s + b * PANEL + 16);
+#pragma GCC unroll 12
     for (int r = 0; r < R; r++) {
-      __m512i zeros = _mm512_set1_epi32(zero * x.sums[r * (K / 32) + b]);
-      __m512 dr = _mm512_set1_ps(x.d[r * (K / 32) + b]);
-      acc[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(s0, dr), _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][0], zeros)), acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(s1, dr), _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][1], zeros)), acc[r][1]);
+      __m512 dr = _mm512_set1_ps(x.d[r * blocks + b]);
+      __m512 a0 = _mm512_fmadd_ps(_mm512_mul_ps(s0, dr), _mm512_cvtepi32_ps(dot[r][0]), _mm512_load_ps(acc[r][0]));
+      __m512 a1 = _mm512_fmadd_ps(_mm512_mul_ps(s1, dr), _mm512_cvtepi32_ps(dot[r][1]), _mm512_load_ps(acc[r][1]));
       if (shift) {
-        __m512 xs = _mm512_set1_ps(x.xs[r * (K / 32) + b]);
-        acc[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(shift + b * PANEL), xs, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(shift + b * PANEL + 16), xs, acc[r][1]);
+        __m512 xs = _mm512_set1_ps(x.xs[r * blocks + b]);
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(shift + b * PANEL), xs, a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(shift + b * PANEL + 16), xs, a1);
       }
-    }
-  }
-  for (int r = 0; r < R; r++) {
-    _mm512_storeu_ps(y + r * ldy, acc[r][0]);
-    _mm512_storeu_ps(y + r * ldy + 16, acc[r][1]);
-  }
-}
-
-/* vnni_rows for QCHUNK < R <= QWIDE rows: the dot products of the 2 groups of columns stay in registers
- * (2 R of them), the float32 sums go to memory and back once a block; the same operations as vnni_rows */
-VNNI AI void vnni_wide_rows(int R, Quantised x, const uint8_t *c, const float *s, const float *shift, int bits,
-                            int32_t zero, int64_t K, float *y, int64_t ldy) {
-  _Alignas(64) float acc[QWIDE][2][16];
-  for (int r = 0; r < R; r++) memset(acc[r], 0, sizeof acc[r]);
-  for (int64_t b = 0; b < K / 32; b++) {
-    __m512i dot[QWIDE][2];
-    vnni_block(R, x, c, bits, K, b, dot);
-    for (int g = 0; g < 2; g++) {
-      __m512 sg = _mm512_loadu_ps(s + b * PANEL + 16 * g);
-      for (int r = 0; r < R; r++) {
-        __m512i zeros = _mm512_set1_epi32(zero * x.sums[r * (K / 32) + b]);
-        __m512 dr = _mm512_set1_ps(x.d[r * (K / 32) + b]);
-        __m512 sum = _mm512_fmadd_ps(_mm512_mul_ps(sg, dr), _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][g], zeros)),
-                                     _mm512_load_ps(acc[r][g]));
-        if (shift)
-          sum = _mm512_fmadd_ps(_mm512_loadu_ps(shift + b * PANEL + 16 * g), _mm512_set1_ps(x.xs[r * (K / 32) + b]), sum);
-        _mm512_store_ps(acc[r][g], sum);
-      }
+      _mm512_store_ps(acc[r][0], a0);
+      _mm512_store_ps(acc[r][1], a1);
     }
   }
   for (int r = 0; r < R; r++) memcpy(y + r * ldy, acc[r], sizeof acc[r]);
@@ -196,7 +174,7 @@ VNNI static void vnni_unpack(const uint8_t *c, int64_t K, uint8_t *out) {
 }
 
 /* vnni_rows with the row count, and (inlined where ``bits`` is a constant) the layout, known to the compiler:
- * the accumulators stay in registers */
+ * the loops unroll and the dot products stay in registers */
 VNNI AI void vnni_chunk(int rows, Quantised x, const uint8_t *c, const float *s, const float *shift, int bits,
                         int32_t zero, int64_t K, float *y, int64_t ldy) {
   switch (rows) {
@@ -206,12 +184,12 @@ VNNI AI void vnni_chunk(int rows, Quantised x, const uint8_t *c, const float *s,
     case 4: vnni_rows(4, x, c, s, shift, bits, zero, K, y, ldy); break;
     case 5: vnni_rows(5, x, c, s, shift, bits, zero, K, y, ldy); break;
     case 6: vnni_rows(6, x, c, s, shift, bits, zero, K, y, ldy); break;
-    case 7: vnni_wide_rows(7, x, c, s, shift, bits, zero, K, y, ldy); break;
-    case 8: vnni_wide_rows(8, x, c, s, shift, bits, zero, K, y, ldy); break;
-    case 9: vnni_wide_rows(9, x, c, s, shift, bits, zero, K, y, ldy); break;
-    case 10: vnni_wide_rows(10, x, c, s, shift, bits, zero, K, y, ldy); break;
-    case 11: vnni_wide_rows(11, x, c, s, shift, bits, zero, K, y, ldy); break;
-    default: vnni_wide_rows(12, x, c, s, shift, bits, zero, K, y, ldy); break;
+    case 7: vnni_rows(7, x, c, s, shift, bits, zero, K, y, ldy); break;
+    case 8: vnni_rows(8, x, c, s, shift, bits, zero, K, y, ldy); break;
+    case 9: vnni_rows(9, x, c, s, shift, bits, zero, K, y, ldy); break;
+    case 10: vnni_rows(10, x, c, s, shift, bits, zero, K, y, ldy); break;
+    case 11: vnni_rows(11, x, c, s, shift, bits, zero, K, y, ldy); break;
+    default: vnni_rows(12, x, c, s, shift, bits, zero, K, y, ldy); break;
   }
 }
 
