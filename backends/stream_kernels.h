@@ -156,6 +156,20 @@ static float *scratch(Scratch *buf, size_t floats) {
         memcpy(out + k * PANEL + col, &w, sizeof w);                                                         \
       }                                                                                                      \
   }                                                                                                          \
+  /* y[r, n] += sum over blocks b in order of xs[r, b] * shift[b, n] for the panel's ``width`` columns (a GGUF     \
+   * Q4_1 weight's shift, StreamMatMulQ4's fourth input): after the panel, whatever its path, each row alone */  \
+  TARGET static void NAME##_shift(const float *xs, const float *shift, int64_t M, int64_t blocks, float *y,     \
+                                  int64_t ldy, int64_t width) {                                                \
+    for (int64_t r = 0; r < M; r++) {                                                                          \
+      NAME##_vec t[PANEL / V];                                                                                 \
+      for (int v = 0; v < PANEL / V; v++) t[v] = (NAME##_vec){0};                                              \
+      for (int64_t b = 0; b < blocks; b++)                                                                     \
+        for (int v = 0; v < PANEL / V; v++) t[v] += xs[r * blocks + b] * NAME##_load(shift + b * PANEL + v * V); \
+      float sum[PANEL];                                                                                        \
+      memcpy(sum, t, sizeof sum);                                                                              \
+      for (int64_t n = 0; n < width; n++) y[r * ldy + n] += sum[n];                                            \
+    }                                                                                                          \
+  }                                                                                                            \
   /* panels [first, last) of y for all M rows; codes and scales NULL for float panels at w. An int4 panel     \
    * that more rows than a chunk read is dequantised once, into this thread's scratch */                     \
   TARGET static void NAME##_panels(const float *a, const float *w, const uint8_t *codes, const float *scales, \
@@ -227,16 +241,17 @@ VARIANT(avx2, 8, __attribute__((target("avx2,fma"))), 6)
 VARIANT(avx512, 16, __attribute__((target("avx512f,avx512bw,fma"))), 12)
 #endif
 
-typedef struct { PanelsFn panels; const char *name; } Variant;
+typedef void (*ShiftFn)(const float *, const float *, int64_t, int64_t, float *, int64_t, int64_t);
+typedef struct { PanelsFn panels; ShiftFn shift; const char *name; } Variant;
 
 /* the widest variant this CPU runs, or the one RLXRT_CPU_KERNELS_ISA names (generic, avx2, avx512: the
  * tests run each variant this CPU can) */
 static Variant choose_variant(void) {
   const char *isa = getenv("RLXRT_CPU_KERNELS_ISA");
-  Variant generic = {generic_panels, "generic"};
+  Variant generic = {generic_panels, generic_shift, "generic"};
   if (isa && !strcmp(isa, "generic")) return generic;
 #if defined(__x86_64__) && defined(__GNUC__)
-  Variant avx2 = {avx2_panels, "avx2"}, avx512 = {avx512_panels, "avx512"};
+  Variant avx2 = {avx2_panels, avx2_shift, "avx2"}, avx512 = {avx512_panels, avx512_shift, "avx512"};
   __builtin_cpu_init();
   int has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (isa && !strcmp(isa, "avx2") && has_avx2) return avx2;

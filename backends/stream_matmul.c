@@ -97,29 +97,15 @@ typedef struct {
   int64_t M, K, N, P;
 } Job;
 
-/* an int4 panel's shift (a GGUF Q4_1 weight's, StreamMatMulQ4's fourth input) added to its columns of y:
- * y[r, n] += sum over blocks b in order of xs[r, b] * shift[b, n], xs the rows' block sums. Plain C compiled once
- * for every variant, so a row's bits do not depend on the variant's path nor on the other rows. */
-static void add_shift(const Job *j, int64_t p) {
-  int64_t blocks = j->K / 32, col = p * PANEL, width = j->N - col < PANEL ? j->N - col : PANEL;
-  const float *shift = j->shift + p * blocks * PANEL;
-  for (int64_t r = 0; r < j->M; r++) {
-    float t[PANEL] = {0}, *y = j->y + r * j->N + col;
-    for (int64_t b = 0; b < blocks; b++) {
-      float xs = j->x.xs[r * blocks + b];
-      for (int n = 0; n < PANEL; n++) t[n] += xs * shift[b * PANEL + n];
-    }
-    for (int64_t n = 0; n < width; n++) y[n] += t[n];
-  }
-}
-
 static void task(void *data, size_t i) {
   const Job *j = data;
   int64_t first = (int64_t)i * PANELS_PER_TASK, last = first + PANELS_PER_TASK;
   last = last < j->P ? last : j->P;
   if (j->kind != INT8_ACTIVATIONS) {
     variant.panels(j->a, j->w, j->codes, j->scales, j->y, j->M, j->K, j->N, first, last);
-    for (int64_t p = first; j->shift && p < last; p++) add_shift(j, p);
+    for (int64_t p = first; j->shift && p < last; p++)
+      variant.shift(j->x.xs, j->shift + p * (j->K / 32) * PANEL, j->M, j->K / 32, j->y + p * PANEL, j->N,
+                    j->N - p * PANEL < PANEL ? j->N - p * PANEL : PANEL);
     return;
   }
   int64_t panel_bytes = j->K / 4 * 2 * (j->bits == 4 ? 32 : 64);
