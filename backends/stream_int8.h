@@ -17,10 +17,6 @@
  */
 #define QCHUNK 6 /* rows a pass over a panel's codes takes when a call has more than QWIDE (fastest of 4-8) */
 #define QWIDE 12 /* a call of up to this many rows takes one pass */
-#ifndef SPLIT
-#define SPLIT 2
-#endif
-#define SPLIT_MAX 4
 #define UNPACKED_BYTES 65536 /* a panel of 4-bit codes unpacked, up to K = 2048 (on the stack) */
 
 /* a [M, K] quantised: q, and per row and block of 32 its d, the sum of its q, and the sum of its floats (xs, for a
@@ -109,9 +105,8 @@ VNNI AI void vnni_rows(int R, Quantised x, const uint8_t *c, const float *s, con
   _Alignas(64) float acc[QWIDE][2][16];
   for (int r = 0; r < R; r++) memset(acc[r], 0, sizeof acc[r]);
   for (int64_t b = 0; b < blocks; b++) {
-    __m512i dot[QWIDE][2], odd[SPLIT_MAX][2];
+    __m512i dot[QWIDE][2];
     const uint8_t *at = c + b * 16 * group_bytes;
-    for (int r = 0; r < R && r < SPLIT_MAX; r++) odd[r][0] = odd[r][1] = _mm512_setzero_si512();
 #pragma GCC unroll 12
     for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm512_set1_epi32(-zero * x.sums[r * blocks + b]);
 #pragma GCC unroll 8
@@ -125,20 +120,10 @@ VNNI AI void vnni_rows(int R, Quantised x, const uint8_t *c, const float *s, con
         int32_t four;
         memcpy(&four, x.q + r * K + b * 32 + quad * 4, 4);
         __m512i q4 = _mm512_set1_epi32(four);
-        if (R <= SPLIT && quad % 2) {
-          odd[r][0] = _mm512_dpbusd_epi32(odd[r][0], c0, q4);
-          odd[r][1] = _mm512_dpbusd_epi32(odd[r][1], c1, q4);
-        } else {
-          dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], c0, q4);
-          dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], c1, q4);
-        }
+        dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], c0, q4);
+        dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], c1, q4);
       }
     }
-    if (R <= SPLIT)
-      for (int r = 0; r < R; r++) {
-        dot[r][0] = _mm512_add_epi32(dot[r][0], odd[r][0]);
-        dot[r][1] = _mm512_add_epi32(dot[r][1], odd[r][1]);
-      }
     __m512 s0 = _mm512_loadu_ps(s + b * PANEL), s1 = _mm512_loadu_ps(s + b * PANEL + 16);
 #pragma GCC unroll 12
     for (int r = 0; r < R; r++) {
