@@ -118,12 +118,13 @@ typedef int32_t att_ivec __attribute__((vector_size(ATT_LANES * 4)));
     }                                                                                                        \
   }
 
-#define ATT_VARIANT(NAME, TARGET, SCORES)                                                                    \
+#define ATT_VARIANT(NAME, TARGET, SCORES, KEYS_T)                                                            \
   ATT_EXP(NAME, TARGET)                                                                                      \
   ATT_PV(NAME, TARGET)                                                                                       \
   TARGET static void NAME##_group(const Attention *t, int64_t g, float *scratch_rows) {                      \
     int64_t G = t->H / t->KV, R = t->S * G, stride = t->cap + ATT_LANES;                                     \
     const float *keys = t->keys + g * t->cap * t->D, *values = t->values + g * t->cap * t->D;                \
+    const float *kt = KEYS_T(t, keys, R); /* the keys transposed once for all rows, or NULL */              \
     for (int64_t r0 = 0; r0 < R; r0 += ATT_ROWS) {                                                           \
       int rows = (int)(R - r0 < ATT_ROWS ? R - r0 : ATT_ROWS);                                               \
       const float *q[ATT_ROWS] = {0};                                                                        \
@@ -138,7 +139,7 @@ typedef int32_t att_ivec __attribute__((vector_size(ATT_LANES * 4)));
         shared_lo = lo[s] > shared_lo ? lo[s] : shared_lo;                                                   \
         shared_hi = hi[s] < shared_hi ? hi[s] : shared_hi;                                                   \
       }                                                                                                      \
-      SCORES(t, keys, rows, q, lo, hi, scores);                                                              \
+      SCORES(t, keys, kt, rows, q, lo, hi, scores);                                                          \
       for (int s = 0; s < rows; s++) { /* softmax numerators in place, and their sum */                      \
         int64_t n = hi[s] - lo[s] + 1, padded = (n + ATT_LANES - 1) / ATT_LANES * ATT_LANES;                 \
         float *sc = scores[s];                                                                               \
@@ -207,8 +208,9 @@ static inline float tree_max(att_vec v) {
 }
 
 /* raw scores, one 16-lane dot product per row and key, its lanes summed by tree_sum */
-static void generic_scores(const Attention *t, const float *keys, int rows, const float **q, const int64_t *lo,
-                           const int64_t *hi, float **scores) {
+static void generic_scores(const Attention *t, const float *keys, const float *kt, int rows, const float **q,
+                           const int64_t *lo, const int64_t *hi, float **scores) {
+  (void)kt;
   for (int s = 0; s < rows; s++)
     for (int64_t j = lo[s]; j <= hi[s]; j++) {
       att_vec acc = {0};
@@ -223,7 +225,13 @@ static void generic_scores(const Attention *t, const float *keys, int rows, cons
 }
 
 typedef void (*HeadFn)(const Attention *, int64_t, float *);
-ATT_VARIANT(att_generic, , generic_scores)
+/* the generic variant reads the keys as they are */
+static const float *no_transpose(const Attention *t, const float *keys, int64_t rows) {
+  (void)t, (void)keys, (void)rows;
+  return NULL;
+}
+
+ATT_VARIANT(att_generic, , generic_scores, no_transpose)
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define AVX512 __attribute__((target("avx512f,fma")))
@@ -258,8 +266,8 @@ AVX512 AI void transpose16(__m512 *r) {
 /* scores of R rows (R a constant where inlined) for 16 keys at a time, one key a lane: each block of 16 keys
  * by 16 dimensions is loaded once and transposed, then every row adds q[d] * key[d] over d = 0 .. D-1 in order
  * (one fused multiply-add per dimension), so a key's score does not depend on its lane nor on the other rows */
-AVX512 AI void avx512_scores_rows(int R, const Attention *t, const float *keys, const float **q, const int64_t *lo,
-                                  const int64_t *hi, float **scores) {
+AVX512 AI void avx512_scores_rows(int R, const Attention *t, const float *keys, const float *kt, const float **q,
+                                  const int64_t *lo, const int64_t *hi, float **scores) {
   int64_t first = lo[0], last = hi[0];
   for (int s = 1; s < R; s++) {
     first = lo[s] < first ? lo[s] : first;
@@ -272,9 +280,13 @@ AVX512 AI void avx512_scores_rows(int R, const Attention *t, const float *keys, 
     for (int s = 0; s < R; s++) acc[s] = _mm512_setzero_ps();
     for (int64_t c = 0; c < t->D; c += ATT_LANES) {
       __m512 k[ATT_LANES];
-      for (int i = 0; i < ATT_LANES; i++)
-        k[i] = i < n ? _mm512_loadu_ps(keys + (j0 + i) * t->D + c) : _mm512_setzero_ps();
-      transpose16(k);
+      if (kt) { /* j0 is a multiple of 16 there (no window: every row's keys start at 0) */
+        for (int d = 0; d < ATT_LANES; d++) k[d] = _mm512_loadu_ps(kt + ((j0 / ATT_LANES) * t->D + c + d) * ATT_LANES);
+      } else {
+        for (int i = 0; i < ATT_LANES; i++)
+          k[i] = i < n ? _mm512_loadu_ps(keys + (j0 + i) * t->D + c) : _mm512_setzero_ps();
+        transpose16(k);
+      }
       for (int d = 0; d < ATT_LANES; d++)
         for (int s = 0; s < R; s++) acc[s] = _mm512_fmadd_ps(_mm512_set1_ps(q[s][c + d]), k[d], acc[s]);
     }
@@ -287,17 +299,38 @@ AVX512 AI void avx512_scores_rows(int R, const Attention *t, const float *keys, 
   }
 }
 
-AVX512 static void avx512_scores(const Attention *t, const float *keys, int rows, const float **q, const int64_t *lo,
-                                 const int64_t *hi, float **scores) {
+AVX512 static void avx512_scores(const Attention *t, const float *keys, const float *kt, int rows, const float **q,
+                                 const int64_t *lo, const int64_t *hi, float **scores) {
   switch (rows) { /* constant row counts: the accumulators stay in registers */
-    case 1: avx512_scores_rows(1, t, keys, q, lo, hi, scores); break;
-    case 2: avx512_scores_rows(2, t, keys, q, lo, hi, scores); break;
-    case 3: avx512_scores_rows(3, t, keys, q, lo, hi, scores); break;
-    default: avx512_scores_rows(4, t, keys, q, lo, hi, scores); break;
+    case 1: avx512_scores_rows(1, t, keys, kt, q, lo, hi, scores); break;
+    case 2: avx512_scores_rows(2, t, keys, kt, q, lo, hi, scores); break;
+    case 3: avx512_scores_rows(3, t, keys, kt, q, lo, hi, scores); break;
+    default: avx512_scores_rows(4, t, keys, kt, q, lo, hi, scores); break;
   }
 }
 
-ATT_VARIANT(att_avx512, AVX512, avx512_scores)
+/* a call of more rows than one pass takes (a prompt's chunk, a verification): the group's keys 0 .. first + S - 1
+ * as blocks of 16, each transposed once (block b, dimension d: its 16 keys' values, zero past the last key) into
+ * this thread's scratch, so that every pass of rows reads them as they are, not transposing them again; the
+ * same values in the same lanes, so the same scores. NULL (each pass transposes what it reads) with a window
+ * (the rows' keys then start apart), for a call that one pass takes, or where the scratch cannot grow. */
+AVX512 static const float *avx512_keys_t(const Attention *t, const float *keys, int64_t rows) {
+  if (t->window > 0 || rows <= ATT_ROWS || t->D % ATT_LANES) return NULL;
+  int64_t n = t->first + t->S, blocks = (n + ATT_LANES - 1) / ATT_LANES;
+  float *out = scratch(&keys_scratch, (size_t)(blocks * ATT_LANES * t->D));
+  if (!out) return NULL;
+  for (int64_t b = 0; b < blocks; b++)
+    for (int64_t c = 0; c < t->D; c += ATT_LANES) {
+      __m512 k[ATT_LANES];
+      for (int i = 0; i < ATT_LANES; i++)
+        k[i] = b * ATT_LANES + i < n ? _mm512_loadu_ps(keys + (b * ATT_LANES + i) * t->D + c) : _mm512_setzero_ps();
+      transpose16(k);
+      for (int d = 0; d < ATT_LANES; d++) _mm512_storeu_ps(out + (b * t->D + c + d) * ATT_LANES, k[d]);
+    }
+  return out;
+}
+
+ATT_VARIANT(att_avx512, AVX512, avx512_scores, avx512_keys_t)
 #endif
 
 static HeadFn choose_attention(void) {
