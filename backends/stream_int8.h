@@ -97,7 +97,7 @@ VNNI AI __m512i vnni_codes(const uint8_t *bytes, int bits) {
 /* rows r < R (R a constant, at most QWIDE) of a panel, codes at c in the layout of ``bits`` (4: two to a byte;
  * 8: a byte each), their zero ``zero``. Per block of 32: the 2 R dot products (both groups of 16 columns) stay
  * in registers, started at -zero * sum_q, so that they end as the exact sum_k c q - zero sum_q; the float32 sums
- * go to memory and back once a block (as registers they spilled: 0.55-0.65x the time at 2-12 rows and 224,
+ * go to memory and back once a block (as registers they spilled: now 0.6-0.8x the time at 4-224 rows,
  * docs/kernels.md). Every row gets the same operations in the same order whatever R. */
 VNNI AI void vnni_rows(int R, Quantised x, const uint8_t *c, const float *s, const float *shift, int bits,
                        int32_t zero, int64_t K, float *y, int64_t ldy) {
