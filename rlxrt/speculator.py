@@ -105,6 +105,8 @@ class Speculator:
     keeps a k for each."""
     drafted_by: int = 0
     """Which of them drafted the last proposal (0 for a single source)."""
+    source_names: tuple[str, ...] = ()
+    """The name of each draft source, in ``drafted_by``'s order (empty: its own ``name``, the one source)."""
     _owner = None
 
     @property

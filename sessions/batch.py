@@ -16,8 +16,10 @@ seeded request follows the seed contract (docs/exactness.md). What batching does
 costs: after each step the batch plans every slot's k for its next round from the measured step cost and the
 slot's acceptance (``k_policy.plan_ks``); a Session drafts at most that (a seeded request keeps its k). A drafted
 token costs the step its row and what the step waits for while the slots draft: the gaps between steps, measured
-(``k_policy.DraftCost``). What the plan cannot see is measured by its outcome: ``k_policy.Guard`` keeps drafting on
-only while steps that draft serve more tokens a second than steps that do not.
+(``k_policy.DraftCost``). A Session whose speculator has several sources (lookup, then a head) is planned a k
+for each, from each source's own acceptance, cost and chance of drafting the round. What the plan cannot see is
+measured by its outcome: ``k_policy.Guard`` keeps drafting on only while steps that draft serve more tokens a
+second than steps that do not.
 """
 from __future__ import annotations
 
@@ -42,6 +44,9 @@ GATHER_SECONDS = 0.2
 """The longest a step waits for a slot in a request to hand in its tokens (one that never does: a stream that
 is not read) before it runs without it."""
 PRIOR_ACCEPTANCE = 0.5
+PRIOR_ANSWER = 0.5
+"""The chance a source asked to draft proposes something, before any round has told (lookup: that it finds a
+match)."""
 ACCEPTANCE_DECAY = 0.9
 CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 CALIBRATION_REPEATS = 5
@@ -111,13 +116,14 @@ class Batch:
         self._emitted_seen = 0
         self._ended: float | None = None  # when the last step ended
         self._record: tuple[Guard, bool, float] | None = None  # the last clean step's guard, mode and seconds
+        self._gap: tuple[float, int, dict] | None = None  # the last clean step's gap, drafted tokens, their sources
         self.cost = StepCost({1: 1.0})
         if self._hidden_name and self._hidden_name in graph.output_names:
             self.fetch_hidden()  # bound to a buffer made once, whether a slot reads it or not
         if calibrate:
             self.cost = StepCost(self._calibrate())
-        self._plan: dict[int, tuple[int, int]] = {}
-        """slot -> (its k, the k it wanted when planned)"""
+        self._plan: dict[Slot, tuple[list[int], int]] = {}
+        """slot -> (the k of each of its sources, the k it wanted when planned)"""
 
     @property
     def config(self) -> Config:
@@ -223,6 +229,9 @@ class Batch:
             self.calls += len(parts)
             self.cost.observe(t, seconds)
             self._account(clean and gap is not None, guard, drafting, drafted, gap or 0.0, seconds, caught_up)
+            if self._gap is not None:  # the drafting slots tell their sources in their rounds' reports
+                for s in taking:
+                    s._gap = self._gap[2] if len(s.pending) > 1 else None
         active = sum(s.active for s in self._all)
         arm = active <= 1 or self.guard(active).drafting  # else no Session drafts next round
         for s, start, count, r0, want, last in parts:
@@ -266,8 +275,16 @@ class Batch:
             last.step(*record, self.emitted - self._emitted_seen)
         self._emitted_seen = self.emitted
         self._record = (guard, drafting, gap + seconds) if clean else None
+        if self._gap is not None:  # its sources told what they drafted in their rounds' reports
+            before, tokens, parts = self._gap
+            if sum(t for t, _ in parts.values()) == tokens:
+                self.waits.observe(before, parts)
+        self._gap = None
         if clean and not caught_up:
-            self.waits.observe(drafted, gap)
+            if drafted:
+                self._gap = (gap, drafted, {})
+            else:
+                self.waits.observe(gap)
 
     def _value(self, name: str, array: np.ndarray, n: int):
         key = (name, n)
@@ -312,11 +329,16 @@ class Batch:
         return {r: float(np.median(t)) for r, t in times.items()}
 
     def _replan(self) -> None:
-        """Every drafting slot's k for its next round (``k_policy.plan_ks``), from the step cost and acceptances."""
+        """Every drafting slot's k of each source for its next round (``k_policy.plan_ks``), from the step cost,
+        each source's acceptance, chance and measured cost."""
         active = [s for s in self._all if s.active]
-        plan = plan_ks(self.cost, [Sequence(s.acceptance, s.k_wanted, self.waits.per_token) for s in active],
-                       self.waits.overhead)
-        self._plan = {s.index: (k, s.k_wanted) for s, k in zip(active, plan)}
+        sequences = [Sequence(s.acceptance[i], s.k_wanted, self.waits.per_token(name), chance)
+                     for s in active for i, (name, chance) in enumerate(zip(s.sources, s.chances()))]
+        plan = plan_ks(self.cost, sequences, self.waits.overhead, slots=len(active))
+        self._plan, at = {}, 0
+        for s in active:
+            self._plan[s] = (plan[at:at + len(s.sources)], s.k_wanted)
+            at += len(s.sources)
 
     def guard(self, sequences: int) -> Guard:
         """The guard of a step of this many sequences: one per power of two (2, 3-4, 5-8, 9-16, ...)."""
@@ -325,19 +347,20 @@ class Batch:
             self.guards[load] = Guard()
         return self.guards[load]
 
-    def k_for(self, slot: "Slot") -> int:
-        """The planned k of ``slot`` (planned again when it wants another k than the plan assumed); a lone
-        sequence drafts what its Session would draft alone."""
+    def k_for(self, slot: "Slot") -> list[int]:
+        """The planned k of each of ``slot``'s sources (planned again when it wants another k than the plan
+        assumed); a lone sequence drafts what its Session would draft alone."""
         active = sum(s.active for s in self._all)
+        n = len(slot.sources)
         if active <= 1:
-            return slot.k_wanted
+            return [slot.k_wanted] * n
         if not self.guard(active).drafting:
-            return 0
-        k, wanted = self._plan.get(slot.index, (0, -1))
+            return [0] * n
+        ks, wanted = self._plan.get(slot, (None, -1))
         if wanted != slot.k_wanted:
             self._replan()
-            k, wanted = self._plan.get(slot.index, (slot.k_wanted, slot.k_wanted))
-        return k
+            ks, wanted = self._plan.get(slot, (None, -1))
+        return ks if ks is not None else [slot.k_wanted] * n
 
 
 class Slot(GraphModel):
@@ -363,7 +386,16 @@ class Slot(GraphModel):
         self.led = False
         """A draft's slot: active (its batch's steps wait for it) from its target's step to its target's next
         hand-in, not from its own reset."""
-        self.acceptance = PRIOR_ACCEPTANCE
+        self.sources: tuple[str, ...] = ()
+        """The draft sources of its Session's speculator (``draft_sources``); none for plain decoding."""
+        self.acceptance: list[float] = []
+        """Of each source: the estimated chance a drafted token is accepted, given the ones before it were."""
+        self.answers: list[float] = []
+        """Of each source: the estimated chance it proposes something when asked (lookup: finds a match)."""
+        self.caps: list[int] = []
+        """The k of each source this round (``k_cap``)."""
+        self._asked = False  # the round was planned: caps says which sources were asked
+        self._gap: dict | None = None  # the sources of the step that ran this slot's drafts, told in ``observe``
         self.drafted_last = False
         """Whether its last call held drafted tokens."""
         self.k_wanted = 0
@@ -439,18 +471,58 @@ class Slot(GraphModel):
     def commit(self, length: int) -> None:
         self.length = min(self.length, length)
 
-    def k_cap(self, wanted: int) -> int:
-        """The k this slot drafts next round when its Session would draft ``wanted``: the batch's plan."""
+    def draft_sources(self, names: tuple[str, ...]) -> None:
+        """Its Session drafts from these sources (in the order its speculator tries them); the batch plans a k,
+        and keeps an acceptance and a chance of answering, for each."""
+        with self.batch._cond:
+            self.sources = tuple(names)
+            self.acceptance = [PRIOR_ACCEPTANCE] * len(names)
+            self.answers = [PRIOR_ANSWER] * len(names)
+            self.caps = [0] * len(names)
+
+    def chances(self) -> list[float]:
+        """Of each source, the chance it is the one to draft the next round: it answers, and none before it did."""
+        out, none_before = [], 1.0
+        for answer in self.answers:
+            out.append(none_before * answer)
+            none_before *= 1.0 - answer
+        return out
+
+    def k_cap(self, wanted: int, ks=None) -> int:
+        """The k this slot drafts next round when its Session would draft ``wanted`` (``ks``: at most that
+        from each source, its adaptive ks): the batch's plan, whose k for each source is left in ``caps``."""
         with self.batch._cond:
             self.k_wanted = wanted
-            return min(wanted, self.batch.k_for(self))
+            for i, k in enumerate(self.batch.k_for(self)):
+                self.caps[i] = min(k, wanted if ks is None else min(wanted, ks[i]))
+            self._asked = True
+            return max(self.caps, default=0)
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        """A round's result: the acceptance the batch plans with, and the tokens it emitted."""
+    def observe(self, drafted: int, accepted: int, source: int = 0, seconds: float = 0.0) -> None:
+        """A round's result (``source``: which one drafted it, in ``seconds`` of this slot's thread): the
+        acceptance and chances the batch plans with, what the step before it waited for, the tokens it emitted."""
         with self.batch._cond:
             self.batch.emitted += accepted + 1
-            if drafted <= 0:
-                self.acceptance += ACCEPTANCE_DRIFT * (PRIOR_ACCEPTANCE - self.acceptance)
-                return
-            rate = accepted / min(drafted, accepted + 1)  # of the positions reached (a rejection ends the round)
-            self.acceptance = ACCEPTANCE_DECAY * self.acceptance + (1 - ACCEPTANCE_DECAY) * rate
+            if self._gap is not None and drafted > 0:
+                tokens, spent = self._gap.get(self.sources[source], (0, 0.0))
+                self._gap[self.sources[source]] = (tokens + drafted, spent + seconds)
+            self._gap = None
+            self._answered(drafted, source)
+            for i in range(len(self.acceptance)):
+                if drafted > 0 and i == source:
+                    rate = accepted / min(drafted, accepted + 1)  # of the positions reached (a rejection ends it)
+                    self.acceptance[i] = ACCEPTANCE_DECAY * self.acceptance[i] + (1 - ACCEPTANCE_DECAY) * rate
+                else:  # not drafted from: drifts back, so a source whose drafts stopped paying is tried again
+                    self.acceptance[i] += ACCEPTANCE_DRIFT * (PRIOR_ACCEPTANCE - self.acceptance[i])
+
+    def _answered(self, drafted: int, source: int) -> None:
+        """Which sources were asked this round and whether they answered: each before the one that drafted
+        did not; where nothing was drafted, none asked did (known only of a planned round)."""
+        asked = self._asked
+        self._asked = False
+        last = source if drafted > 0 else len(self.answers) if asked else 0
+        for i in range(last):
+            if not asked or self.caps[i] > 0:
+                self.answers[i] = ACCEPTANCE_DECAY * self.answers[i]
+        if drafted > 0:
+            self.answers[source] = ACCEPTANCE_DECAY * self.answers[source] + (1 - ACCEPTANCE_DECAY)

@@ -36,6 +36,7 @@ class Cascade(Speculator):
         self.proposed_by = [0] * len(sources)
         """Rounds each source drafted, over the speculator's life."""
         self.drafters = len(sources)
+        self.source_names = tuple(s.name for s in sources)
         self._adaptive: list[int] | None = None  # per-source k from the session's adaptive_k
 
     @property
@@ -69,6 +70,8 @@ class Cascade(Speculator):
             s.bind(target)
 
     def reset(self) -> None:
+        """Forget the previous request, and the ks it set (each request sets its own, or drafts k from each)."""
+        self._adaptive = None
         for s in self.sources:
             s.reset()
 
@@ -77,7 +80,10 @@ class Cascade(Speculator):
             s.prefill(ctx, record)
 
     def set_ks(self, ks: Sequence[int]) -> None:
-        self._adaptive = list(ks)
+        if self._adaptive is None:
+            self._adaptive = list(ks)
+        else:  # every round on a Batch: the list is made once a request
+            self._adaptive[:] = ks
 
     def propose(self, ctx: Context, k: int) -> DraftProposal:
         adaptive = self._adaptive

@@ -18,6 +18,13 @@ r, until it stops growing). Under load (many sequences, the step already past th
 costs a whole row of arithmetic and the ks fall to what pays, down to plain steps; a lone sequence drafts as
 far as its acceptance pays on a step that is almost free per row. ``StepCost`` is t(R): measured when the batch is made,
 refined by every step it runs.
+
+A sequence with several draft sources (a Cascade: prompt lookup, then a head) is one ``Sequence`` per source,
+each with its own acceptance, its own cost d and the chance c that it is the one to draft the next round (lookup
+only drafts where it finds a match). Its j-th token then earns c a^j for c rows and c d seconds: the plan ranks
+tokens by what they earn a row (a^j - r d), weighs rows by chance, and returns a k for each source. So a source
+whose drafts are accepted less, or cost more to make, stops drafting first as the load grows, while a cheap and
+accurate one goes on.
 """
 from __future__ import annotations
 
@@ -80,87 +87,121 @@ class Sequence:
     """The most it may draft (its request's k, its budget); 0 for a sequence without a speculator."""
     draft_seconds: float = 0.0
     """Seconds of drafting one token."""
+    chance: float = 1.0
+    """The chance that this source drafts the sequence's next round (1 for a sequence's only source)."""
 
 
-def plan_ks(cost: StepCost, sequences: list[Sequence], overhead: float = 0.0) -> list[int]:
+MIN_CHANCE = 0.02
+"""The least chance a source is planned with: one that has not drafted for a while still gets the k its tokens
+would earn, so it is asked, and its chance measured, again."""
+
+
+def plan_ks(cost: StepCost, sequences: list[Sequence], overhead: float = 0.0, slots: int | None = None) -> list[int]:
     """The k of each sequence for the next step: the ks with the best rate (see the module's text); [] for none.
     ``overhead``: seconds every step costs besides t(R), whatever is drafted (the sequences' work between steps).
-    The step's cost is read once per row count it can reach (the plan runs after every step, under the batch's
-    lock)."""
-    n = len(sequences)
-    if not n:
+    ``slots``: the sequences the step runs, where ``sequences`` holds several sources of one (default: one
+    each). The step's cost is read once per row count it can reach (the plan runs after every step, under the
+    batch's lock)."""
+    n = len(sequences) if slots is None else slots
+    if not sequences:
         return []
     table = [cost(n + m) + overhead for m in range(sum(s.k_max for s in sequences) + 1)]
     powers = [[min(max(s.acceptance, 0.0), 1.0) ** (j + 1) for j in range(s.k_max)] for s in sequences]
-    ks, rate = [0] * n, n / table[0]
+    chances = [min(max(s.chance, MIN_CHANCE), 1.0) for s in sequences]
+    plan = _Plan(table, sequences, powers, chances, n)
+    ks, rate = [0] * len(sequences), n / table[0]
     for _ in range(MAX_ITERATIONS):
-        better = _best_at(table, sequences, powers, rate)
-        new_rate = _rate(table, sequences, powers, better)
+        better = plan.best_at(rate)
+        new_rate = plan.rate(better)
         if new_rate <= rate * (1 + 1e-12):
             return ks
         ks, rate = better, new_rate
     return ks
 
 
-def _best_at(table: list[float], sequences: list[Sequence], powers: list[list[float]], rate: float) -> list[int]:
-    """The ks that maximise earned - rate * seconds: for each count m of drafted tokens the m drafted tokens
-    of most value (a sequence's j-th is worth a^j - rate * d, less with every j, so the best m of them are a
-    prefix of each sequence's), then the m that is best with the step's cost (``table[m]``: its seconds)."""
-    values = sorted((p - rate * s.draft_seconds, i) for i, (s, ps) in enumerate(zip(sequences, powers)) for p in ps)
-    values.reverse()
-    best_m, best, total = 0, -rate * table[0], 0.0
-    for m, (value, _) in enumerate(values, 1):
-        total += value
-        if total - rate * table[m] > best:
-            best_m, best = m, total - rate * table[m]
-    ks = [0] * len(sequences)
-    for _, i in values[:best_m]:
-        ks[i] += 1
-    return ks
+class _Plan:
+    def __init__(self, table: list[float], sequences: list[Sequence], powers: list[list[float]],
+                 chances: list[float], slots: int):
+        self.table, self.sequences, self.powers, self.chances, self.slots = table, sequences, powers, chances, slots
 
+    def seconds(self, rows: float) -> float:
+        """The step's seconds with ``rows`` drafted rows (a fraction where rows are weighed by chance)."""
+        table, i = self.table, min(int(rows), len(self.table) - 1)
+        if i + 1 >= len(table):
+            return table[i]
+        return table[i] + (rows - i) * (table[i + 1] - table[i])
 
-def _rate(table: list[float], sequences: list[Sequence], powers: list[list[float]], ks: list[int]) -> float:
-    earned, seconds = float(len(ks)), table[sum(ks)]
-    for s, ps, k in zip(sequences, powers, ks):
-        earned += sum(ps[:k])
-        seconds += k * s.draft_seconds
-    return earned / seconds
+    def best_at(self, rate: float) -> list[int]:
+        """The ks that maximise earned - rate * seconds: drafted tokens in the order of what they earn a row (a
+        source's j-th earns a^j - rate * d, less with every j, so what is taken of each source is a prefix of
+        its tokens), then the prefix of that order that is best with the step's cost."""
+        seqs, chances = self.sequences, self.chances
+        values = sorted(((p - rate * s.draft_seconds, i) for i, (s, ps) in enumerate(zip(seqs, self.powers))
+                         for p in ps), reverse=True)
+        best_m, best, total, rows = 0, -rate * self.table[0], 0.0, 0.0
+        for m, (value, i) in enumerate(values, 1):
+            total += chances[i] * value
+            rows += chances[i]
+            score = total - rate * self.seconds(rows)
+            if score > best:
+                best_m, best = m, score
+        ks = [0] * len(seqs)
+        for _, i in values[:best_m]:
+            ks[i] += 1
+        return ks
+
+    def rate(self, ks: list[int]) -> float:
+        earned, rows, drafting = float(self.slots), 0.0, 0.0
+        for s, ps, c, k in zip(self.sequences, self.powers, self.chances, ks):
+            earned += c * sum(ps[:k])
+            rows += c * k
+            drafting += c * k * s.draft_seconds
+        return earned / (self.seconds(rows) + drafting)
 
 
 class DraftCost:
     """What the steps wait for between them, as the batch sees it: the seconds from one step's end to the next
     one's start with nothing drafted (``overhead``: the sequences' own work, under one interpreter lock) and
-    the seconds each drafted token adds to that (``per_token``). The sequences draft side by side on their own
-    threads, so a sequence's own drafting time is not what the step waits for; this is. Medians of the last
-    ``window`` gaps of each kind, so a gap stretched by something else (a client joining) does not count. After
-    ``stale`` gaps in a row with nothing drafted the drafting ones are forgotten: the plan drafts again and
-    measures anew (a cost measured once, under other load, would otherwise stop drafting for good)."""
+    the seconds each drafted token of a source adds to that (``per_token``). The sequences draft side by side on
+    their own threads, so a sequence's own drafting time is not what the step waits for; this is. Where
+    several sources drafted before one step (lookup for some sequences, a head for others), what the gap grew
+    by is shared among them in proportion to the seconds each took to draft in the sequences' own threads. Medians
+    of the last ``window`` gaps of each kind, so a gap stretched by something else (a client joining) does not
+    count. After ``stale`` gaps in a row without a source's drafts, its cost is forgotten: the plan drafts from it
+    again and measures anew (a cost measured once, under other load, would otherwise stop it for good)."""
 
     def __init__(self, window: int = 16, stale: int = 64):
         self.plain: deque[float] = deque(maxlen=window)
-        self.drafting: deque[float] = deque(maxlen=window)
-        self.stale = stale
-        self._plain_run = 0
+        self.drafting: dict[str, deque[float]] = {}
+        self.window, self.stale = window, stale
+        self._without: dict[str, int] = {}  # gaps in a row without each source's drafts
 
-    def observe(self, drafted: int, gap: float) -> None:
-        """A gap before a step whose sequences drafted ``drafted`` tokens in all."""
-        if drafted <= 0:
+    def observe(self, gap: float, parts: dict[str, tuple[int, float]] | None = None) -> None:
+        """A gap before a step; ``parts``: each source that drafted for it -> (its tokens, its drafting's
+        seconds in the sequences' own threads); none for a gap with nothing drafted."""
+        parts = {name: p for name, p in (parts or {}).items() if p[0] > 0}
+        for name in list(self.drafting):
+            self._without[name] = 0 if name in parts else self._without.get(name, 0) + 1
+            if self._without[name] >= self.stale:
+                del self.drafting[name], self._without[name]
+        if not parts:
             self.plain.append(gap)
-            self._plain_run += 1
-            if self._plain_run >= self.stale:
-                self.drafting.clear()
-        else:
-            self.drafting.append(max(gap - self.overhead, 0.0) / drafted)
-            self._plain_run = 0
+            return
+        grown = max(gap - self.overhead, 0.0)
+        own = sum(seconds for _, seconds in parts.values())
+        tokens = sum(t for t, _ in parts.values())
+        for name, (t, seconds) in parts.items():
+            share = seconds / own if own > 0 else t / tokens
+            self.drafting.setdefault(name, deque(maxlen=self.window)).append(grown * share / t)
 
     @property
     def overhead(self) -> float:
         return statistics.median(self.plain) if self.plain else 0.0
 
-    @property
-    def per_token(self) -> float:
-        """0 until a drafting gap is measured: drafting is then planned as a lone sequence plans it."""
-        return statistics.median(self.drafting) if self.drafting else 0.0
+    def per_token(self, source: str) -> float:
+        """0 until a gap with ``source``'s drafts is measured: drafting is then planned as a lone sequence plans it."""
+        seen = self.drafting.get(source)
+        return statistics.median(seen) if seen else 0.0
 
 
 class Guard:

@@ -106,6 +106,8 @@ class Session:
             except BaseException:
                 speculator.detach(self)
                 raise
+            if self.target.shared:
+                self.target.draft_sources(speculator.source_names or (speculator.name,))
         self._turns = Turns()
         self._last_seq = 0
         self.stats = RequestStats(speculator=self._spec_name)
@@ -330,14 +332,18 @@ class Session:
                 t0 = time.perf_counter()
                 k_round = min(k_now, budget - 1) if spec is not None else 0
                 if shared and planned:
-                    k_round = target.k_cap(k_round)
+                    several = spec is not None and spec.drafters > 1
+                    k_round = target.k_cap(k_round, choice.ks if several and choice is not None else None)
+                    if several:
+                        spec.set_ks(target.caps)
                 decision = rounds.run(k_round)
                 new = rounds.new
                 stats.record_round(rounds.drafted, decision.accepted, decision.bonus)
                 stats.draft_seconds += rounds.draft_seconds
                 stats.target_seconds += rounds.target_seconds
                 if shared:
-                    target.observe(rounds.drafted, decision.accepted)
+                    target.observe(rounds.drafted, decision.accepted, spec.drafted_by if spec else 0,
+                                   rounds.draft_seconds)
                 if choice is not None:
                     k_now = min(k, choice.observe(rounds.drafted, decision.accepted, time.perf_counter() - t0,
                                                   spec.drafted_by))

@@ -236,6 +236,44 @@ def test_a_prompt_alone_goes_in_full_steps_and_beside_a_decoding_sequence_in_chu
         batch.release(fresh)
 
 
+def test_each_draft_source_of_a_slot_is_planned_from_its_own_acceptance_and_chance():
+    """A Cascade's slot keeps an acceptance and a chance of answering for each source, from its rounds'
+    reports; under load the plan keeps the accurate source drafting and stops the one that is not."""
+    from rlxrt.sessions.k_policy import StepCost
+
+    batch = Batch(TARGET, CFG, slots=2, calibrate=False)
+    batch.cost = StepCost({1: 1.0, 2: 1.1, 8: 2.0, 64: 10.0})  # a row costs ~0.14 of a step past two
+    a, b = batch.slot(), batch.slot()
+    try:
+        for s in (a, b):
+            s.draft_sources(("prompt-lookup", "mtp-head"))
+            s.reset()
+            assert s.chances() == [0.5, 0.25]  # the prior: lookup answers half the rounds, the head the rest
+        for _ in range(60):  # lookup drafts 3 and all are kept; the head drafts 3 and the first is rejected
+            for s in (a, b):
+                s.k_cap(3)
+                s.observe(3, 3, 0)
+                s.k_cap(3)
+                s.observe(3, 0, 1)
+        assert a.acceptance[0] > 0.9 and a.acceptance[1] < 0.2
+        assert 0.4 < a.chances()[0] < 0.6 and 0.4 < a.chances()[1] < 0.6  # each drafted half the rounds
+        with batch._cond:
+            batch._replan()  # as after every step
+        a.k_cap(3)
+        lookup, head = a.caps
+        assert lookup >= 2 and head == 0, a.caps
+        for _ in range(60):  # lookup stops finding matches: asked, it answers nothing; the head drafts if asked
+            a.k_cap(3)
+            a.observe(a.caps[1], 0, 1)
+            with batch._cond:
+                batch._replan()
+        assert a.chances()[0] < 0.01 and a.chances()[1] > 0.99
+        assert a.caps[0] >= 1  # still asked: its planned chance never falls to nothing
+    finally:
+        batch.release(a)
+        batch.release(b)
+
+
 def test_slots_are_bounded_and_given_back():
     batch = Batch(TARGET, CFG, slots=1, calibrate=False)
     first = Session(batch, None, CFG)

@@ -138,13 +138,74 @@ def test_overhead_between_steps_makes_drafting_pay():
 
 def test_draft_cost_is_what_drafting_adds_to_the_gap_between_steps():
     waits = DraftCost(window=5)
-    assert waits.per_token == 0.0 and waits.overhead == 0.0  # nothing measured: drafting planned as alone
+    assert waits.per_token("mtp") == 0.0 and waits.overhead == 0.0  # nothing measured: drafting planned as alone
     for gap in (0.010, 0.011, 0.5, 0.009, 0.010):  # one gap stretched by something else: the median holds
-        waits.observe(0, gap)
+        waits.observe(gap)
     for gap, drafted in ((0.030, 10), (0.050, 20), (0.019, 4)):
-        waits.observe(drafted, gap)
+        waits.observe(gap, {"mtp": (drafted, 0.001)})
     assert waits.overhead == pytest.approx(0.010)
-    assert waits.per_token == pytest.approx(0.002)
+    assert waits.per_token("mtp") == pytest.approx(0.002)
+    assert waits.per_token("prompt-lookup") == 0.0
+
+
+def test_a_gap_with_drafts_of_several_sources_is_shared_by_their_own_drafting_time():
+    """Lookup's drafts took 1 % of the sequences' drafting time, the head's 99 %: what the gap grew by is the
+    head's, nearly all of it, however many tokens lookup drafted."""
+    waits = DraftCost(window=5)
+    waits.observe(0.010)
+    waits.observe(0.030, {"prompt-lookup": (10, 0.0001), "mtp": (5, 0.0099)})
+    assert waits.per_token("mtp") == pytest.approx(0.020 * 0.99 / 5)
+    assert waits.per_token("prompt-lookup") == pytest.approx(0.020 * 0.01 / 10)
+    waits.observe(0.030, {"prompt-lookup": (10, 0.0), "mtp": (5, 0.0)})  # no time measured: shared by tokens
+    assert waits.drafting["mtp"][-1] == pytest.approx(0.020 / 15)
+
+
+def test_under_load_a_dear_and_less_accepted_source_stops_first():
+    """A Cascade's two sources per sequence: lookup (accepted 0.95, drafts a third of the rounds, free) and a head
+    (accepted 0.5, the other rounds, a little dear). Alone both draft; with 16 sequences on a step past its flat
+    part the head stops and lookup goes on."""
+    cost = StepCost({1: 1.0, 8: 1.2, 64: 8.0})
+
+    def sources():
+        return [Sequence(0.95, 4, 0.0, 1 / 3), Sequence(0.5, 4, 0.02, 2 / 3)]
+
+    alone = plan_ks(cost, sources(), slots=1)
+    assert alone[0] >= 3 and alone[1] >= 1
+    many = plan_ks(cost, sources() * 16, slots=16)
+    lookup, head = many[0::2], many[1::2]
+    assert max(head) == 0 and min(lookup) >= 1
+
+
+def test_a_source_that_has_not_drafted_for_a_while_is_still_asked():
+    """Its chance estimate fell to nothing, but a k of 0 would never measure it again: it is planned as if
+    it drafted at a small chance."""
+    flat = StepCost({1: 1.0, 64: 1.3})
+    assert plan_ks(flat, [Sequence(0.9, 4, 0.0, 0.0), Sequence(0.5, 4, 0.0, 1.0)], slots=1)[0] == 4
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_plan_with_chances_is_near_the_best_rate_of_every_choice(seed):
+    """Two sources per sequence with chances: the plan's expected rate against exhaustive search over
+    k <= 3 for each of four sources (rows weighed by chance make it a knapsack, so near, not exact)."""
+    rng = np.random.default_rng(100 + seed)
+    base, knee, slope = rng.uniform(0.5, 2), int(rng.integers(1, 8)), rng.uniform(0.01, 1.0)
+    cost = StepCost({r: base + slope * max(0, r - knee) for r in (1, knee, knee + 1, 16)})
+    seqs = []
+    for _ in range(2):
+        first = float(rng.uniform(0, 1))
+        seqs += [Sequence(float(rng.uniform(0, 1)), 3, float(rng.uniform(0, 0.2)), first),
+                 Sequence(float(rng.uniform(0, 1)), 3, float(rng.uniform(0, 0.2)), 1 - first)]
+
+    def expected(ks):
+        earned = 2 + sum(s.chance * sum(s.acceptance ** j for j in range(1, k + 1)) for s, k in zip(seqs, ks))
+        rows = sum(s.chance * k for s, k in zip(seqs, ks))
+        lo = int(rows)
+        t = cost(2 + lo) + (rows - lo) * (cost(3 + lo) - cost(2 + lo))
+        return earned / (t + sum(s.chance * k * s.draft_seconds for s, k in zip(seqs, ks)))
+
+    ks = plan_ks(cost, seqs, slots=2)
+    best = max(expected(list(c)) for c in itertools.product(range(4), repeat=4))
+    assert expected(ks) >= best * 0.95
 
 
 def test_the_first_step_after_a_switch_does_not_count():
@@ -166,12 +227,14 @@ def test_the_first_step_after_a_switch_does_not_count():
 
 
 def test_a_drafting_cost_not_measured_for_long_is_forgotten():
-    """The plan drafts again after a long run of plain gaps, and measures the cost anew."""
+    """The plan drafts from a source again after a long run of gaps without its drafts (plain ones, or another
+    source's), and measures its cost anew."""
     waits = DraftCost(window=4, stale=3)
-    waits.observe(2, 0.02)
-    assert waits.per_token == pytest.approx(0.01)
-    waits.observe(0, 0.0)
-    waits.observe(0, 0.0)
-    assert waits.per_token == pytest.approx(0.01)
-    waits.observe(0, 0.0)
-    assert waits.per_token == 0.0
+    waits.observe(0.02, {"mtp": (2, 0.001)})
+    assert waits.per_token("mtp") == pytest.approx(0.01)
+    waits.observe(0.0)
+    waits.observe(0.01, {"prompt-lookup": (4, 0.0001)})
+    assert waits.per_token("mtp") == pytest.approx(0.01)
+    waits.observe(0.0)
+    assert waits.per_token("mtp") == 0.0
+    assert waits.per_token("prompt-lookup") == pytest.approx(0.0025)
