@@ -356,11 +356,11 @@ class Batch:
             return [slot.k_wanted] * n
         if not self.guard(active).drafting:
             return [0] * n
-        ks, wanted = self._plan.get(slot, (None, -1))
-        if wanted != slot.k_wanted:
+        ks, wanted = self._plan.get(slot, ((), -1))
+        if wanted != slot.k_wanted or len(ks) != n:
             self._replan()
-            ks, wanted = self._plan.get(slot, (None, -1))
-        return ks if ks is not None else [slot.k_wanted] * n
+            ks, wanted = self._plan.get(slot, ((), -1))
+        return ks if len(ks) == n else [slot.k_wanted] * n
 
 
 class Slot(GraphModel):

@@ -269,6 +269,8 @@ def test_each_draft_source_of_a_slot_is_planned_from_its_own_acceptance_and_chan
                 batch._replan()
         assert a.chances()[0] < 0.01 and a.chances()[1] > 0.99
         assert a.caps[0] >= 1  # still asked: its planned chance never falls to nothing
+        a.draft_sources(("draft-model",))  # other sources: planned anew, not read from the old plan
+        assert a.k_cap(3) <= 3 and len(a.caps) == 1  # the same k wanted as the old plan assumed
     finally:
         batch.release(a)
         batch.release(b)
