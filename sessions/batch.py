@@ -340,6 +340,21 @@ class Batch:
             self._plan[s] = (plan[at:at + len(s.sources)], s.k_wanted)
             at += len(s.sources)
 
+    def report(self) -> dict:
+        """What the batch has measured and decided so far, for an operator (the server's ``/health``): its steps,
+        the sequences a step held on average, the gap between steps with nothing drafted, what a drafted token of
+        each source adds to it, and, per load (sequences a step), whether its guard drafts."""
+        with self._cond:
+            guards = {}
+            for load, g in sorted(self.guards.items()):
+                low, high = (2 ** (load - 1) + 1, 2 ** load) if load > 1 else (2, 2)
+                guards[str(low) if low == high else f"{low}-{high}"] = "drafting" if g.drafting else "plain"
+            return {"slots": self.slots, "active": sum(s.active for s in self._all), "steps": self.steps,
+                    "sequences_per_step": round(self.calls / self.steps, 2) if self.steps else 0.0,
+                    "gap_ms": round(self.waits.overhead * 1e3, 3),
+                    "draft_token_ms": {n: round(self.waits.per_token(n) * 1e3, 3) for n in self.waits.drafting},
+                    "guards": guards}
+
     def guard(self, sequences: int) -> Guard:
         """The guard of a step of this many sequences: one per power of two (2, 3-4, 5-8, 9-16, ...)."""
         load = max(sequences - 1, 1).bit_length()

@@ -173,6 +173,8 @@ def test_bench_serve_and_soak_commands(tmp_path):
     for label in servers:
         assert report["rows"][label]["2"]["tokens_per_second"] > 0
     assert report["rows"]["batch plain"]["2"]["vs_plain"] == 1.0 and (out / "bench-serve.png").stat().st_size
+    assert set(report["batches"]) == {label for label in servers if label.startswith("batch")}  # pools have none
+    assert report["batches"]["batch draft k=2"]["steps"] > 0
     assert "| batch draft k=2 | 2 |" in run.stdout and "| pool draft k=2 adaptive | 2 |" in run.stdout
     run = subprocess.run([sys.executable, "-m", "rlxrt", "bench-serve", "--soak", "24", "--concurrency", "4",
                           "--max-tokens", "12", "--out", str(out)], capture_output=True, text=True, timeout=300)

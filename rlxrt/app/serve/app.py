@@ -34,8 +34,10 @@ class Server:
     """What the routes share: the pool, the served model's name, the metrics, the request timeout."""
 
     def __init__(self, pool: Pool, model: str, metrics: Metrics, request_timeout: float, retry_after: int = 1,
-                 engine: str = "pool", engine_reason: str | None = None, drafts: str | None = None):
+                 engine: str = "pool", engine_reason: str | None = None, drafts: str | None = None, batch=None):
         self.pool, self.model, self.metrics, self.engine = pool, model, metrics, engine
+        self.batch = batch
+        """The Batch every Session decodes on under the batch engine (its ``report`` is in /health), else None."""
         self.engine_reason = engine_reason
         """Why the pool serves rather than the batch (None under the batch)."""
         self.drafts = drafts
@@ -197,8 +199,11 @@ def build_app(server: Server):
     @app.get("/health")
     async def health():
         p = server.pool
-        return {"status": "ok", "model": server.model, "engine": server.engine, "drafts": server.drafts,
-                "workers": len(p.sessions), "running": p.running, "waiting": p.waiting}
+        out = {"status": "ok", "model": server.model, "engine": server.engine, "drafts": server.drafts,
+               "workers": len(p.sessions), "running": p.running, "waiting": p.waiting}
+        if server.batch is not None:
+            out["batch"] = server.batch.report()
+        return out
 
     @app.get("/v1/models")
     async def models():

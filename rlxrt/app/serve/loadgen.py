@@ -79,6 +79,11 @@ class ServerProcess:
                 time.sleep(0.2)
         raise RlxrtError(f"the {self.label} server did not answer /health within {seconds} s")
 
+    def batch_report(self) -> dict | None:
+        """What a batch server's Batch measured and decided (its /health ``batch``); None for a pool server."""
+        with urllib.request.urlopen(f"{self.url}/health", timeout=30) as r:
+            return json.loads(r.read()).get("batch")
+
     def rss_mb(self) -> float:
         with open(f"/proc/{self.proc.pid}/status") as fh:
             for line in fh:
@@ -305,10 +310,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                     runs[label][c].append(_measure(results, wall))
                     print(f"  repeat {rep + 1}/{args.repeats} concurrency {c:>2} {label:<18} "
                           f"{runs[label][c][-1]['tokens_per_second']:8.1f} tok/s", file=sys.stderr)
+        batches = {label: s.batch_report() for label, s in servers.items() if isinstance(s, ServerProcess)}
     finally:
         for s in servers.values():
             s.stop()
     report = _report(args, levels, runs, name, ks)
+    report["batches"] = {label: b for label, b in batches.items() if b is not None}
     (out / "bench-serve.json").write_text(json.dumps(report, indent=2) + "\n")
     print(format_table(report))
     try:

@@ -102,7 +102,8 @@ def make_server(opts: ServeOptions):
     from rlxrt.sessions.batch import Batch
 
     drafts = None if model_of(opts.speculator) != "draft" else "batch" if isinstance(helper, Batch) else "each"
-    return Server(pool, opts.name, metrics, opts.request_timeout, engine=engine, engine_reason=why, drafts=drafts)
+    return Server(pool, opts.name, metrics, opts.request_timeout, engine=engine, engine_reason=why, drafts=drafts,
+                  batch=target if engine == "batch" else None)
 
 
 def _target(opts: ServeOptions):
