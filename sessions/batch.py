@@ -343,10 +343,11 @@ class Batch:
     def report(self) -> dict:
         """What the batch has measured and decided so far, for an operator (the server's ``/health``): its steps,
         the sequences a step held on average, the gap between steps with nothing drafted, what a drafted token of
-        each source adds to it, and, per load (sequences a step), whether its guard drafts."""
+        each source adds to it, and, per load (sequences a step), whether its guard drafts (where a Session on
+        the batch has a speculator)."""
         with self._cond:
             guards = {}
-            for load, g in sorted(self.guards.items()):
+            for load, g in sorted(self.guards.items()) if any(s.sources for s in self._all) else ():
                 low, high = (2 ** (load - 1) + 1, 2 ** load) if load > 1 else (2, 2)
                 guards[str(low) if low == high else f"{low}-{high}"] = "drafting" if g.drafting else "plain"
             return {"slots": self.slots, "active": sum(s.active for s in self._all), "steps": self.steps,
