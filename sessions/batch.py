@@ -259,7 +259,13 @@ class Batch:
     def _chunk(self, taking: list["Slot"]) -> int:
         """The most prompt tokens a slot feeds this step: ``chunk`` where some sequence is past its prompt (its
         next token waits for the step), else an equal share of all the step can hold, so that prompts alone in
-        the batch go in fewer, fuller steps (each step reads every weight once)."""
+        the batch go in fewer, fuller steps (each step reads every weight once). A draft's batch (its slots led
+        by a target's) gives a slot catching up on what it has not read (a prompt, at its first proposal) all
+        the room the others' drafts leave: its target's batch waits for every draft step, so a catch-up in
+        chunks would hold up every sequence for as many steps as it has chunks."""
+        if any(s.led for s in taking):
+            short = [len(s.pending) - s.fed for s in taking if len(s.pending) - s.fed <= K_MAX + 1]
+            return max(self.chunk, (len(self._positions) - sum(short)) // max(len(taking) - len(short), 1))
         if any(not s.fresh for s in self._all if s.active or s.pending is not None):
             return self.chunk
         return max(self.chunk, len(self._positions) // len(taking))

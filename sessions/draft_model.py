@@ -3,8 +3,8 @@
 The draft may run on another provider than the target (its own config). Its
 cache follows the committed tokens: after a round it keeps only the prefix
 that the committed sequence confirms, and the next ``propose`` feeds the
-tokens it has not seen (the pending token, and after a full acceptance the
-last drafted one too) in one call.
+tokens it has not seen (the prompt at the first one; then the pending token,
+and after a full acceptance the last drafted one too) in one call.
 
 Given a ``Batch`` of the draft model, it drafts on a slot of it: the drafts of every Session of the target's
 Batch then run in the same steps, each weight read once for all of them (``Slot.lead``).
@@ -54,9 +54,9 @@ class DraftModel(ModelSpeculator):
         self.model.reset()
 
     def prefill(self, ctx: Context, record: Prefill) -> None:
-        """Read the prompt (all but its last token, like the target) before the first round."""
-        if ctx.room(self.model.max_positions) > 0:  # else propose drafts nothing anyway
-            self.model.forward(ctx.tokens[self.model.length:ctx.read], rows=1)
+        """Nothing yet: the first proposal reads the prompt with the tokens after it (``ctx.unread``) in one call,
+        as an MTP head does, so a request that never drafts (under load a batch may draft nothing) never pays
+        for the draft's reading of its prompt."""
 
     def propose(self, ctx: Context, k: int) -> DraftProposal:
         m = self.model

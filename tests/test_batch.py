@@ -156,6 +156,20 @@ def test_drafts_on_a_draft_batch_step_together_and_equal_their_lone_runs():
     assert drafts.calls > drafts.steps > 0
 
 
+def test_a_draft_reads_its_prompt_only_when_it_first_drafts():
+    """A request that never drafts (here: one token, so no round has room for a draft) costs the draft's batch
+    no step; the next request's first proposal reads its whole prompt, and its output is the lone run's."""
+    batch = Batch(TARGET, CFG, slots=2, calibrate=False)
+    drafts = Batch(DRAFT, CFG, slots=2, calibrate=False)
+    session = Session(batch, DraftModel(drafts, CFG), CFG, k=2)
+    assert len(session.generate(CODE, max_new_tokens=1).token_ids) == 1
+    assert drafts.steps == 0
+    got = session.generate(CODE, max_new_tokens=12, ignore_eos=True)
+    assert drafts.steps > 0 and got.stats.drafted > 0
+    assert got.token_ids == Session(TARGET, DraftModel(DRAFT, CFG), CFG, k=2).generate(
+        CODE, max_new_tokens=12, ignore_eos=True).token_ids
+
+
 def test_a_draft_on_a_batch_needs_a_batched_target():
     drafts = Batch(DRAFT, CFG, slots=1, calibrate=False)
     with pytest.raises(GenerationError, match="another Batch"):
@@ -274,6 +288,31 @@ def test_each_draft_source_of_a_slot_is_planned_from_its_own_acceptance_and_chan
     finally:
         batch.release(a)
         batch.release(b)
+
+
+def test_a_draft_catching_up_takes_all_the_room_a_step_has_left():
+    """A draft's slot reads its prompt at its first proposal; its target's batch waits for every draft step,
+    so that catch-up goes in one step beside the others' drafts, not in ``chunk``-token pieces."""
+    drafts = Batch(DRAFT, CFG, slots=4, chunk=4, calibrate=False)
+    slots = [drafts.slot() for _ in range(3)]
+    try:
+        for s in slots:
+            s.led = True
+            s.reset()
+        catching_up, drafting, other = slots
+        catching_up.pending, catching_up.fed = np.zeros(60, np.int64), 0
+        drafting.pending, drafting.fed, drafting.fresh = np.zeros(3, np.int64), 0, False
+        other.pending, other.fed, other.fresh = np.zeros(1, np.int64), 0, False
+        room = len(drafts._positions) - 4
+        assert room >= 60 and drafts._chunk(slots) == room
+        assert drafts._chunk([catching_up, drafting]) == room + 1
+        for s in slots:  # a target's batch (no slot led) keeps its chunks beside decoding sequences
+            s.led = False
+        assert drafts._chunk(slots) == 4
+    finally:
+        for s in slots:
+            s.pending = None
+            drafts.release(s)
 
 
 def test_slots_are_bounded_and_given_back():
