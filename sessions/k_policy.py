@@ -120,6 +120,9 @@ def plan_ks(cost: StepCost, sequences: list[Sequence], overhead: float = 0.0, sl
 
 
 class _Plan:
+    """One plan's fixed inputs (the step's seconds by drafted rows, each source's powers of its acceptance and
+    chance), read at every Dinkelbach step."""
+
     def __init__(self, table: list[float], sequences: list[Sequence], powers: list[list[float]],
                  chances: list[float], slots: int):
         self.table, self.sequences, self.powers, self.chances, self.slots = table, sequences, powers, chances, slots
