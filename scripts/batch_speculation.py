@@ -6,7 +6,7 @@
 Every repeat runs N Sessions of each speculator on one Batch (the shipped code prompts, greedy, EOS ignored),
 in an order that alternates per repeat, and prints tokens a second, the batch's steps, what was drafted and
 accepted, and what the batch measured of drafting (the gap between steps with nothing drafted, and what a
-drafted token adds to it). ``--force-k K`` replaces the plan by K for every sequence and turns the guards off:
+drafted token of each source adds to it; for a Cascade, the rounds each source drafted). ``--force-k K`` replaces the plan by K for every sequence and turns the guards off:
 what drafting K would give, for comparison with what the plan chose. A draft model drafts on a Batch of its
 own (``DraftModel(draft_batch)``). Medians, relative to plain, at the end.
 """
@@ -67,6 +67,11 @@ def main() -> int:
         costs = {name: batch.waits.per_token(name) for name in batch.waits.drafting}
         if costs:
             print("    a drafted token adds:", ", ".join(f"{n} {c * 1e3:.2f} ms" for n, c in costs.items()),
+                  file=sys.stderr)
+        spec = sessions[0].speculator
+        if spec is not None and spec.drafters > 1:  # a Cascade: the rounds each source drafted
+            by = [sum(s.speculator.proposed_by[i] for s in sessions) for i in range(spec.drafters)]
+            print("    rounds drafted by:", ", ".join(f"{n} {r}" for n, r in zip(spec.source_names, by)),
                   file=sys.stderr)
         if kind != "none":
             guards = {f"{2 ** (load - 1) + 1 if load > 1 else 2}+": g for load, g in sorted(batch.guards.items())}
