@@ -6,8 +6,8 @@
 Every repeat runs N Sessions of each speculator on one Batch (the shipped code prompts, greedy, EOS ignored),
 in an order that alternates per repeat, and prints tokens a second, the batch's steps, what was drafted and
 accepted, and what the batch measured of drafting (the gap between steps with nothing drafted, and what a
-drafted token of each source adds to it; for a Cascade, the rounds each source drafted). ``--force-k K`` replaces the plan by K for every sequence and turns the guards off:
-what drafting K would give, for comparison with what the plan chose. A draft model drafts on a Batch of its
+drafted token of each source adds to it; for a Cascade, the rounds each source drafted). ``--force-k K``
+replaces the plan by K for every sequence and turns the guards off: what drafting K would give, for comparison with what the plan chose. A draft model drafts on a Batch of its
 own (``DraftModel(draft_batch)``). Medians, relative to plain, at the end.
 """
 from __future__ import annotations
@@ -74,7 +74,7 @@ def main() -> int:
             print("    rounds drafted by:", ", ".join(f"{n} {r}" for n, r in zip(spec.source_names, by)),
                   file=sys.stderr)
         if kind != "none":
-            guards = {f"{2 ** (load - 1) + 1 if load > 1 else 2}+": g for load, g in sorted(batch.guards.items())}
+            guards = {batching.load_label(load): g for load, g in sorted(batch.guards.items())}
             print("    guards, tok/s drafting / not (sequences a step):", ", ".join(
                 f"{n} {_rate(g.rates[True])} / {_rate(g.rates[False])}" for n, g in guards.items()), file=sys.stderr)
         del sessions

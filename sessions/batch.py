@@ -352,10 +352,8 @@ class Batch:
         each source adds to it, and, per load (sequences a step), whether its guard drafts (where a Session on
         the batch has a speculator)."""
         with self._cond:
-            guards = {}
-            for load, g in sorted(self.guards.items()) if any(s.sources for s in self._all) else ():
-                low, high = (2 ** (load - 1) + 1, 2 ** load) if load > 1 else (2, 2)
-                guards[str(low) if low == high else f"{low}-{high}"] = "drafting" if g.drafting else "plain"
+            guards = {load_label(load): "drafting" if g.drafting else "plain"
+                      for load, g in sorted(self.guards.items())} if any(s.sources for s in self._all) else {}
             return {"slots": self.slots, "active": sum(s.active for s in self._all), "steps": self.steps,
                     "sequences_per_step": round(self.calls / self.steps, 2) if self.steps else 0.0,
                     "gap_ms": round(self.waits.overhead * 1e3, 3),
@@ -369,20 +367,27 @@ class Batch:
             self.guards[load] = Guard()
         return self.guards[load]
 
-    def k_for(self, slot: "Slot") -> list[int]:
+    def k_for(self, slot: "Slot") -> list[int] | int:
         """The planned k of each of ``slot``'s sources (planned again when it wants another k than the plan
-        assumed); a lone sequence drafts what its Session would draft alone."""
+        assumed), or one k for all of them: a lone sequence drafts what its Session would draft alone, and
+        none drafts where the guard says so."""
         active = sum(s.active for s in self._all)
-        n = len(slot.sources)
         if active <= 1:
-            return [slot.k_wanted] * n
+            return slot.k_wanted
         if not self.guard(active).drafting:
-            return [0] * n
+            return 0
+        n = len(slot.sources)
         ks, wanted = self._plan.get(slot, ((), -1))
         if wanted != slot.k_wanted or len(ks) != n:
             self._replan()
             ks, wanted = self._plan.get(slot, ((), -1))
-        return ks if len(ks) == n else [slot.k_wanted] * n
+        return ks if len(ks) == n else slot.k_wanted
+
+
+def load_label(load: int) -> str:
+    """The sequences a step holds under ``Batch.guards[load]``: "2", "3-4", "5-8", "9-16", ..."""
+    low, high = (2 ** (load - 1) + 1, 2 ** load) if load > 1 else (2, 2)
+    return str(low) if low == high else f"{low}-{high}"
 
 
 class Slot(GraphModel):
@@ -515,7 +520,9 @@ class Slot(GraphModel):
         from each source, its adaptive ks): the batch's plan, whose k for each source is left in ``caps``."""
         with self.batch._cond:
             self.k_wanted = wanted
-            for i, k in enumerate(self.batch.k_for(self)):
+            plan = self.batch.k_for(self)
+            for i in range(len(self.caps)):
+                k = plan if isinstance(plan, int) else plan[i]
                 self.caps[i] = min(k, wanted if ks is None else min(wanted, ks[i]))
             self._asked = True
             return max(self.caps, default=0)

@@ -4,7 +4,10 @@ The draft may run on another provider than the target (its own config). Its
 cache follows the committed tokens: after a round it keeps only the prefix
 that the committed sequence confirms, and the next ``propose`` feeds the
 tokens it has not seen (the prompt at the first one; then the pending token,
-and after a full acceptance the last drafted one too) in one call.
+and after a full acceptance the last drafted one too) in one call. It reads
+nothing before the first round (``prefill`` is the base class's), as an MTP
+head does, so a request that never drafts (under load a batch may draft
+nothing) never pays for the draft's reading of its prompt.
 
 Given a ``Batch`` of the draft model, it drafts on a slot of it: the drafts of every Session of the target's
 Batch then run in the same steps, each weight read once for all of them (``Slot.lead``).
@@ -19,7 +22,7 @@ import numpy as np
 from rlxrt.backends import CompiledGraph, compile
 from rlxrt.config import Config
 from rlxrt.errors import GenerationError
-from rlxrt.speculator import AcceptDecision, Context, DraftProposal, Prefill, VerifyResult
+from rlxrt.speculator import AcceptDecision, Context, DraftProposal, VerifyResult
 
 from .decoder import Decoder
 from .drafting import ModelSpeculator, check_same_vocabulary
@@ -52,11 +55,6 @@ class DraftModel(ModelSpeculator):
 
     def reset(self) -> None:
         self.model.reset()
-
-    def prefill(self, ctx: Context, record: Prefill) -> None:
-        """Nothing yet: the first proposal reads the prompt with the tokens after it (``ctx.unread``) in one call,
-        as an MTP head does, so a request that never drafts (under load a batch may draft nothing) never pays
-        for the draft's reading of its prompt."""
 
     def propose(self, ctx: Context, k: int) -> DraftProposal:
         m = self.model

@@ -320,6 +320,8 @@ class Session:
             run0 = target.run_seconds + (spec.run_seconds if spec else 0.0)  # decode only, like decode_seconds
             pad = self.rows - 1 if self.rows else 0  # a fixed-rows call writes that many positions past its tokens
             choice = self._k_choice if spec is not None and adaptive else None
+            several = spec is not None and spec.drafters > 1  # a Cascade: a batch plans each source's k
+            adaptive_ks = choice.ks if several and choice is not None else None
             k_now = min(choice.k, k) if choice is not None else k
             if spec is not None and spec.drafters > 1 and self._k_choice is not None:
                 spec.set_ks(choice.ks if choice is not None else [k] * spec.drafters)
@@ -332,8 +334,7 @@ class Session:
                 t0 = time.perf_counter()
                 k_round = min(k_now, budget - 1) if spec is not None else 0
                 if shared and planned:
-                    several = spec is not None and spec.drafters > 1
-                    k_round = target.k_cap(k_round, choice.ks if several and choice is not None else None)
+                    k_round = target.k_cap(k_round, adaptive_ks)
                     if several:
                         spec.set_ks(target.caps)
                 decision = rounds.run(k_round)
