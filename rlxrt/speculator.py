@@ -107,6 +107,12 @@ class Speculator:
     """Which of them drafted the last proposal (0 for a single source)."""
     source_names: tuple[str, ...] = ()
     """The name of each draft source, in ``drafted_by``'s order (empty: its own ``name``, the one source)."""
+
+    @property
+    def batched_sources(self) -> tuple[bool, ...]:
+        """Of each draft source, in ``drafted_by``'s order: whether its drafts run in a Batch's steps (a draft
+        model on a Batch's slot, whose steps wait for every Session that may draft)."""
+        return (False,) * self.drafters
     _owner = None
 
     @property

@@ -43,7 +43,7 @@ def main() -> int:
     from rlxrt.sessions.k_policy import Guard
 
     if args.force_k >= 0:
-        batching.plan_ks = lambda cost, seqs, overhead=0.0, slots=None: [args.force_k] * len(seqs)
+        batching.plan_ks = lambda cost, seqs, overhead=0.0, slots=None, context=0.0: [args.force_k] * len(seqs)
         Guard.step = lambda self, *record: None
     every = rlxrt.Config(intra_op_threads=os.cpu_count() or 1, cpu_kernels="rlxrt")
     one = rlxrt.Config(intra_op_threads=1, cpu_kernels="rlxrt")

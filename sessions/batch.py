@@ -48,8 +48,14 @@ PRIOR_ANSWER = 0.5
 """The chance a source asked to draft proposes something, before any round has told (lookup: that it finds a
 match)."""
 ACCEPTANCE_DECAY = 0.9
+REPLAN_STEPS = 8
+"""Steps a plan serves before it is made again (sooner where a slot joins or wants another k): a plan of 8
+sequences takes 0.1-0.2 ms, run by the thread whose hand-in completed the step while the others wait."""
 CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 CALIBRATION_REPEATS = 5
+CONTEXT_ROWS = 8
+CONTEXT_TOKENS = 256
+"""The rows and context of the calibration step that measures what a row adds a token of context it attends to."""
 ACCEPTANCE_DRIFT = 0.02
 """How far a slot's acceptance estimate moves back to the prior in a round that drafted nothing: a sequence whose
 drafts stopped paying is tried again, and its estimate refreshed."""
@@ -121,9 +127,10 @@ class Batch:
         if self._hidden_name and self._hidden_name in graph.output_names:
             self.fetch_hidden()  # bound to a buffer made once, whether a slot reads it or not
         if calibrate:
-            self.cost = StepCost(self._calibrate())
+            self.cost = self._calibrate()
         self._plan: dict[Slot, tuple[list[int], int]] = {}
         """slot -> (the k of each of its sources, the k it wanted when planned)"""
+        self._planned = 0  # the step after which the plan was made
 
     @property
     def config(self) -> Config:
@@ -227,13 +234,19 @@ class Batch:
         if error is None:
             self.steps += 1
             self.calls += len(parts)
-            self.cost.observe(t, seconds)
+            if not any(s.fresh for s in taking):  # the plan is for rounds, not for prompts' chunks
+                self.cost.observe(t, seconds, sum(s.length for s in taking) / len(taking))
             self._account(clean and gap is not None, guard, drafting, drafted, gap or 0.0, seconds, caught_up)
             if self._gap is not None:  # the drafting slots tell their sources in their rounds' reports
                 for s in taking:
                     s._gap = self._gap[2] if len(s.pending) > 1 else None
         active = sum(s.active for s in self._all)
         arm = active <= 1 or self.guard(active).drafting  # else no Session drafts next round
+        if error is None and len(parts) > 1:  # a lone sequence drafts as its Session would (k_for)
+            if not arm:  # nobody drafts next round: planned again when the guard drafts (k_for)
+                self._plan = {}
+            elif self.steps - self._planned >= REPLAN_STEPS or not self._plan:
+                self._replan()
         for s, start, count, r0, want, last in parts:
             if error is not None:
                 s.pending, s.error = None, error if isinstance(error, GenerationError) else GenerationError(
@@ -245,14 +258,9 @@ class Batch:
             s.fed += count
             if last:
                 s.deliver(self._logits[0, r0:r0 + want])
-                for draft in s.leads if arm else ():  # its Session drafts next: the drafts' steps wait for it
+                for draft in s.leads if arm and self._leads_draft(s) else ():  # the drafts' steps wait for it
                     draft.arm()
                 s.pending, s.fresh = None, False
-        if error is None and len(parts) > 1:  # a lone sequence drafts as its Session would (k_for)
-            if arm:
-                self._replan()
-            else:  # nobody drafts next round: planned again when the guard drafts (k_for)
-                self._plan = {}
         self._ended = time.perf_counter()
         self._cond.notify_all()
 
@@ -318,29 +326,53 @@ class Batch:
         self.run_seconds += seconds
         return seconds
 
-    def _calibrate(self) -> dict[int, float]:
-        """Seconds of a step of R rows for R in CALIBRATION_ROWS (up to what a step can hold): after a warm-up,
-        the median of CALIBRATION_REPEATS passes over all of them in turn, measured on slot 0 before any request
-        (what it writes is overwritten by the first prefill)."""
-        sizes = [r for r in CALIBRATION_ROWS if r <= min(self.width, self.capacity)]
-        times: dict[int, list[float]] = {r: [] for r in sizes}
+    def _calibrate(self) -> StepCost:
+        """The step cost: seconds of a step of R rows for R in CALIBRATION_ROWS (up to what a step can hold),
+        and of CONTEXT_ROWS rows at CONTEXT_TOKENS tokens of context (what a row adds a token of context); after
+        a warm-up, the medians of CALIBRATION_REPEATS passes over all of them in turn, measured on slot 0 before
+        any request (what it writes is overwritten by the first prefill)."""
+        sizes = [(r, 0) for r in CALIBRATION_ROWS if r <= min(self.width, self.capacity)]
+        rows = min(CONTEXT_ROWS, self.width)
+        context = min(CONTEXT_TOKENS, self.capacity - rows)
+        if context > 0 and (rows, 0) in sizes:
+            sizes.append((rows, context))
+        times: dict[tuple[int, int], list[float]] = {size: [] for size in sizes}
         for repeat in range(CALIBRATION_REPEATS + 1):
-            for rows in sizes:
-                self._ids[0, :rows] = 0
-                self._seqs[0] = (0, 0, rows)
-                self._rows[0] = rows - 1
-                seconds = self._run(rows, 1, 1)
+            for r, past in sizes:
+                self._ids[0, :r] = 0
+                self._seqs[0] = (0, past, r)
+                self._rows[0] = r - 1
+                seconds = self._run(r, 1, 1)
                 if repeat:  # the first pass warms up
-                    times[rows].append(seconds)
-        return {r: float(np.median(t)) for r, t in times.items()}
+                    times[(r, past)].append(seconds)
+        median = {size: float(np.median(t)) for size, t in times.items()}
+        per_row_context = (median[(rows, context)] - median[(rows, 0)]) / (rows * context) \
+            if (rows, context) in median else 0.0
+        return StepCost({r: t for (r, past), t in median.items() if not past}, per_row_context)
+
+    def _leads_draft(self, slot: "Slot") -> bool:
+        """Whether ``slot``'s Session may draft from a draft model on a Batch next round (its planned k for one
+        is above 0, or it is not planned): only then do that Batch's steps wait for its drafts."""
+        ks = self._plan.get(slot)
+        return ks is None or any(k > 0 for k, batched in zip(ks[0], slot.batched) if batched)
 
     def _replan(self) -> None:
         """Every drafting slot's k of each source for its next round (``k_policy.plan_ks``), from the step cost,
-        each source's acceptance, chance and measured cost."""
+        each source's acceptance, chance and measured cost. A source whose cost is not measured (yet, or any
+        more) is planned for one slot only, the one that accepts its drafts most: what it costs is then measured
+        at the price of one sequence's drafts, not of every sequence drafting as if it cost nothing."""
         active = [s for s in self._all if s.active]
-        sequences = [Sequence(s.acceptance[i], s.k_wanted, self.waits.per_token(name), chance)
-                     for s in active for i, (name, chance) in enumerate(zip(s.sources, s.chances()))]
-        plan = plan_ks(self.cost, sequences, self.waits.overhead, slots=len(active))
+        trying: dict[str, tuple[Slot, float]] = {}  # a source of unknown cost -> the slot that tries it
+        for s in active:
+            for name, acceptance in zip(s.sources, s.acceptance):
+                if name not in self.waits.drafting and acceptance > trying.get(name, (s, -1.0))[1]:
+                    trying[name] = (s, acceptance)
+        sequences = [Sequence(a, s.k_wanted if name not in trying or trying[name][0] is s else 0,
+                              self.waits.per_token(name), chance)
+                     for s in active for name, a, chance in zip(s.sources, s.acceptance, s.chances())]
+        self._planned = self.steps
+        plan = plan_ks(self.cost, sequences, self.waits.overhead, slots=len(active),
+                       context=sum(s.length for s in active) / max(len(active), 1))
         self._plan, at = {}, 0
         for s in active:
             self._plan[s] = (plan[at:at + len(s.sources)], s.k_wanted)
@@ -349,8 +381,8 @@ class Batch:
     def report(self) -> dict:
         """What the batch has measured and decided so far, for an operator (the server's ``/health``): its steps,
         the sequences a step held on average, the gap between steps with nothing drafted, what a drafted token of
-        each source adds to it, and, per load (sequences a step), whether its guard drafts (where a Session on
-        the batch has a speculator)."""
+        each source adds to it, what its steps take beyond the calibrated cost, and, per load (sequences a step), whether its guard drafts (where a Session on the batch has a
+        speculator)."""
         with self._cond:
             guards = {load_label(load): "drafting" if g.drafting else "plain"
                       for load, g in sorted(self.guards.items())} if any(s.sources for s in self._all) else {}
@@ -358,7 +390,7 @@ class Batch:
                     "sequences_per_step": round(self.calls / self.steps, 2) if self.steps else 0.0,
                     "gap_ms": round(self.waits.overhead * 1e3, 3),
                     "draft_token_ms": {n: round(self.waits.per_token(n) * 1e3, 3) for n in self.waits.drafting},
-                    "guards": guards}
+                    "step_offset_ms": round(self.cost.offset * 1e3, 3), "guards": guards}
 
     def guard(self, sequences: int) -> Guard:
         """The guard of a step of this many sequences: one per power of two (2, 3-4, 5-8, 9-16, ...)."""
@@ -415,6 +447,8 @@ class Slot(GraphModel):
         hand-in, not from its own reset."""
         self.sources: tuple[str, ...] = ()
         """The draft sources of its Session's speculator (``draft_sources``); none for plain decoding."""
+        self.batched: tuple[bool, ...] = ()
+        """Of each source: whether its drafts run in a Batch's steps (a draft model on a Batch's slot)."""
         self.acceptance: list[float] = []
         """Of each source: the estimated chance a drafted token is accepted, given the ones before it were."""
         self.answers: list[float] = []
@@ -498,11 +532,13 @@ class Slot(GraphModel):
     def commit(self, length: int) -> None:
         self.length = min(self.length, length)
 
-    def draft_sources(self, names: tuple[str, ...]) -> None:
-        """Its Session drafts from these sources (in the order its speculator tries them); the batch plans a k,
-        and keeps an acceptance and a chance of answering, for each."""
+    def draft_sources(self, names: tuple[str, ...], batched: tuple[bool, ...] | None = None) -> None:
+        """Its Session drafts from these sources (in the order its speculator tries them; ``batched``: of each,
+        whether its drafts run in a draft model's Batch, whose steps wait for it only where it may draft); the
+        batch plans a k, and keeps an acceptance and a chance of answering, for each."""
         with self.batch._cond:
             self.sources = tuple(names)
+            self.batched = tuple(batched) if batched is not None else (False,) * len(names)
             self.acceptance = [PRIOR_ACCEPTANCE] * len(names)
             self.answers = [PRIOR_ANSWER] * len(names)
             self.caps = [0] * len(names)

@@ -40,6 +40,10 @@ class Cascade(Speculator):
         self._adaptive: list[int] | None = None  # per-source k from the session's adaptive_k
 
     @property
+    def batched_sources(self) -> tuple[bool, ...]:
+        return tuple(b for s in self.sources for b in s.batched_sources)
+
+    @property
     def providers(self) -> list[str]:
         return next((s.providers for s in self.sources if s.providers), [])
 

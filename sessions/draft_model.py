@@ -53,6 +53,10 @@ class DraftModel(ModelSpeculator):
                                       "directory or compiled graph instead")
             target.lead(self.model)
 
+    @property
+    def batched_sources(self) -> tuple[bool, ...]:
+        return (self.model.shared,)
+
     def reset(self) -> None:
         self.model.reset()
 

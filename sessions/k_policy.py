@@ -16,8 +16,8 @@ of one row more of the step, d of drafting, and nothing else. The step's through
 earned - r * seconds are the m drafted tokens of most value a^j - r d, for the best m; their rate is the next
 r, until it stops growing). Under load (many sequences, the step already past the flat part) a drafted token
 costs a whole row of arithmetic and the ks fall to what pays, down to plain steps; a lone sequence drafts as
-far as its acceptance pays on a step that is almost free per row. ``StepCost`` is t(R): measured when the batch is made,
-refined by every step it runs.
+far as its acceptance pays on a step that is almost free per row. ``StepCost`` is t(R): its shape measured
+when the batch is made, at the sequences' context, refined by every step it runs.
 
 A sequence with several draft sources (a Cascade: prompt lookup, then a head) is one ``Sequence`` per source,
 each with its own acceptance, its own cost d and the chance c that it is the one to draft the next round (lookup
@@ -34,28 +34,35 @@ from collections import deque
 from dataclasses import dataclass
 
 DECAY = 0.9
-"""The weight a point of the step-cost table keeps when a step of its row count is measured again."""
+"""The weight the step cost's offset keeps at each step measured."""
 MAX_ITERATIONS = 32
 """Dinkelbach steps at most (the rate grows at every one; a handful reach the best)."""
 
 
 class StepCost:
-    """t(R), seconds of a batched step of R rows: piecewise linear through measured points, extended along
-    the last two beyond them."""
+    """t(R, c), seconds of a batched step of R rows whose sequences hold c tokens each on average: a shape
+    measured once on one sequence with no context (piecewise linear through measured points, extended along the
+    last two beyond them), what each row adds a token of context it attends to (``per_row_context``, measured
+    once too), and an offset every step refines (what the shape leaves out: each sequence's own share of a
+    step, the cores the other threads take).
 
-    def __init__(self, points: dict[int, float]):
+    Each row attends to its sequence's context, so a drafted row costs the shape's slope and its context: on
+    the shipped target at 256 tokens of context, that adds about 75 % to the slope; on SmolLM2, 1.8 us a row
+    and token (docs/performance.md, "The cost model the k plan uses"). The offset is added, not multiplied: what
+    a step costs beside its rows does not make a row dearer."""
+
+    def __init__(self, points: dict[int, float], per_row_context: float = 0.0):
         if not points or any(r < 1 or t <= 0 for r, t in points.items()):
             raise ValueError(f"a step cost needs positive times at row counts >= 1, got {points}")
         self.rows = sorted(points)
         self.seconds = [float(points[r]) for r in self.rows]
-        self._monotone()
-
-    def _monotone(self) -> None:
-        """A step of more rows never costs less than one of fewer (what says otherwise is timing noise)."""
-        for i in range(1, len(self.seconds)):
+        for i in range(1, len(self.seconds)):  # more rows never cost less than fewer (else: timing noise)
             self.seconds[i] = max(self.seconds[i], self.seconds[i - 1])
+        self.per_row_context = max(float(per_row_context), 0.0)
+        self.offset = 0.0
+        """Measured steps' seconds less the model's (a running mean)."""
 
-    def __call__(self, rows: int) -> float:
+    def shape(self, rows: float) -> float:
         r, t = self.rows, self.seconds
         if len(r) == 1:
             return t[0] * max(rows, 1) / r[0] if rows > r[0] else t[0]
@@ -66,15 +73,13 @@ class StepCost:
         slope = (t[lo + 1] - t[lo]) / (r[lo + 1] - r[lo])
         return max(t[0] if rows < r[0] else t[lo] + slope * (rows - r[lo]), 1e-9)
 
-    def observe(self, rows: int, seconds: float) -> None:
-        """Refine the point of ``rows`` (the nearest measured row count at or above it) with a step's time."""
-        i = min(bisect.bisect_left(self.rows, rows), len(self.rows) - 1)
-        if self.rows[i] == rows:
-            self.seconds[i] = DECAY * self.seconds[i] + (1 - DECAY) * seconds
-        elif rows > self.rows[-1]:
-            self.rows.append(rows)
-            self.seconds.append(seconds)
-        self._monotone()
+    def __call__(self, rows: float, context: float = 0.0) -> float:
+        return max(self.shape(rows) + self.per_row_context * rows * context + self.offset, 1e-9)
+
+    def observe(self, rows: int, seconds: float, context: float = 0.0) -> None:
+        """Refine the offset with a step of ``rows`` at ``context`` tokens a sequence that took ``seconds``."""
+        model = self.shape(rows) + self.per_row_context * rows * context
+        self.offset = DECAY * self.offset + (1 - DECAY) * (seconds - model)
 
 
 @dataclass
@@ -96,16 +101,17 @@ MIN_CHANCE = 0.02
 would earn, so it is asked, and its chance measured, again."""
 
 
-def plan_ks(cost: StepCost, sequences: list[Sequence], overhead: float = 0.0, slots: int | None = None) -> list[int]:
+def plan_ks(cost: StepCost, sequences: list[Sequence], overhead: float = 0.0, slots: int | None = None,
+            context: float = 0.0) -> list[int]:
     """The k of each sequence for the next step: the ks with the best rate (see the module's text); [] for none.
     ``overhead``: seconds every step costs besides t(R), whatever is drafted (the sequences' work between steps).
     ``slots``: the sequences the step runs, where ``sequences`` holds several sources of one (default: one
-    each). The step's cost is read once per row count it can reach (the plan runs after every step, under the
-    batch's lock)."""
+    each). ``context``: the tokens each sequence holds, on average. The step's cost is read once per row count
+    it can reach (the plan runs after every step, under the batch's lock)."""
     n = len(sequences) if slots is None else slots
     if not sequences:
         return []
-    table = [cost(n + m) + overhead for m in range(sum(s.k_max for s in sequences) + 1)]
+    table = [cost(n + m, context) + overhead for m in range(sum(s.k_max for s in sequences) + 1)]
     powers = [[min(max(s.acceptance, 0.0), 1.0) ** (j + 1) for j in range(s.k_max)] for s in sequences]
     chances = [min(max(s.chance, MIN_CHANCE), 1.0) for s in sequences]
     plan = _Plan(table, sequences, powers, chances, n)
@@ -171,22 +177,33 @@ class DraftCost:
     by is shared among them in proportion to the seconds each took to draft in the sequences' own threads. Medians
     of the last ``window`` gaps of each kind, so a gap stretched by something else (a client joining) does not
     count. After ``stale`` gaps in a row without a source's drafts, its cost is forgotten: the plan drafts from it
-    again and measures anew (a cost measured once, under other load, would otherwise stop it for good)."""
+    again and measures anew (a cost measured once, under other load, would otherwise stop it for good). That
+    try costs what drafting at a cost of nothing does, and a draft model or a head reads every token it skipped,
+    so a source that drafted in fewer than ``window`` gaps between two forgettings waits twice as long before
+    the next, up to ``stale_max`` gaps; one that drafts in ``window`` gaps starts over at ``stale``."""
 
-    def __init__(self, window: int = 16, stale: int = 64):
+    def __init__(self, window: int = 16, stale: int = 64, stale_max: int = 1024):
         self.plain: deque[float] = deque(maxlen=window)
         self.drafting: dict[str, deque[float]] = {}
-        self.window, self.stale = window, stale
+        self.window, self.stale, self.stale_max = window, stale, max(stale, stale_max)
         self._without: dict[str, int] = {}  # gaps in a row without each source's drafts
+        self._with: dict[str, int] = {}  # gaps with each source's drafts since its cost was last forgotten
+        self._interval: dict[str, int] = {}  # each source's gaps in a row without its drafts before forgetting
 
     def observe(self, gap: float, parts: dict[str, tuple[int, float]] | None = None) -> None:
         """A gap before a step; ``parts``: each source that drafted for it -> (its tokens, its drafting's
         seconds in the sequences' own threads); none for a gap with nothing drafted."""
         parts = {name: p for name, p in (parts or {}).items() if p[0] > 0}
+        for name in parts:
+            self._with[name] = self._with.get(name, 0) + 1
+            if self._with[name] >= self.window:  # it pays again: forgotten as soon as at first
+                self._interval.pop(name, None)
         for name in list(self.drafting):
             self._without[name] = 0 if name in parts else self._without.get(name, 0) + 1
-            if self._without[name] >= self.stale:
+            if self._without[name] >= self.interval(name):
                 del self.drafting[name], self._without[name]
+                if self._with.pop(name, 0) < self.window:
+                    self._interval[name] = min(2 * self.interval(name), self.stale_max)
         if not parts:
             self.plain.append(gap)
             return
@@ -200,6 +217,10 @@ class DraftCost:
     @property
     def overhead(self) -> float:
         return statistics.median(self.plain) if self.plain else 0.0
+
+    def interval(self, source: str) -> int:
+        """Gaps in a row without ``source``'s drafts before its cost is forgotten."""
+        return self._interval.get(source, self.stale)
 
     def per_token(self, source: str) -> float:
         """0 until a gap with ``source``'s drafts is measured: drafting is then planned as a lone sequence plans it."""

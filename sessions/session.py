@@ -107,7 +107,7 @@ class Session:
                 speculator.detach(self)
                 raise
             if self.target.shared:
-                self.target.draft_sources(speculator.source_names or (speculator.name,))
+                self.target.draft_sources(speculator.source_names or (speculator.name,), speculator.batched_sources)
         self._turns = Turns()
         self._last_seq = 0
         self.stats = RequestStats(speculator=self._spec_name)

@@ -263,6 +263,8 @@ def test_each_draft_source_of_a_slot_is_planned_from_its_own_acceptance_and_chan
             s.draft_sources(("prompt-lookup", "mtp-head"))
             s.reset()
             assert s.chances() == [0.5, 0.25]  # the prior: lookup answers half the rounds, the head the rest
+        batch.waits.observe(0.001)  # both sources' costs measured: every slot is planned for each
+        batch.waits.observe(0.0012, {"prompt-lookup": (2, 0.0001), "mtp-head": (2, 0.0001)})
         for _ in range(60):  # lookup drafts 3 and all are kept; the head drafts 3 and the first is rejected
             for s in (a, b):
                 s.k_cap(3)
@@ -334,3 +336,32 @@ def test_what_cannot_batch_is_refused_with_the_fix(exported):
         Batch(exported("llama", graph="portable"), CFG)
     with pytest.raises(ProviderError, match="float16"):
         Batch(exported("llama", graph="fused", dtype="fp16"), CFG)
+
+
+def test_a_source_of_unknown_cost_is_tried_by_one_slot_and_only_drafting_slots_hold_up_the_drafts():
+    """Until a source's cost is measured only the slot that accepts its drafts most drafts from it (not every
+    slot, as if drafting cost nothing); a draft model's batch waits only for the slots planned to draft."""
+    from rlxrt.sessions.k_policy import StepCost
+
+    batch = Batch(TARGET, CFG, slots=4, calibrate=False)
+    batch.cost = StepCost({1: 1.0, 64: 1.1})  # rows almost free: only the drafts' cost decides
+    slots = [batch.slot() for _ in range(4)]
+    try:
+        for n, s in enumerate(slots):
+            s.draft_sources(("draft-model",), (True,))
+            s.reset()
+            s.acceptance[0], s.answers[0] = 0.6 + 0.1 * n, 1.0  # a draft model answers whenever asked
+            s.k_wanted = 3
+        with batch._cond:
+            batch._replan()
+        assert [batch._plan[s][0][0] for s in slots] == [0, 0, 0, 3]  # the best-accepting slot tries it
+        assert [batch._leads_draft(s) for s in slots] == [False, False, False, True]
+        batch.waits.observe(0.1)
+        batch.waits.observe(0.13, {"draft-model": (3, 0.01)})  # measured: 0.01 s a drafted token
+        with batch._cond:
+            batch._replan()
+        assert all(batch._plan[s][0][0] > 0 for s in slots)  # cheap enough for every slot
+        assert all(batch._leads_draft(s) for s in slots)
+    finally:
+        for s in slots:
+            batch.release(s)

@@ -20,10 +20,24 @@ def test_step_cost_interpolates_extends_and_learns():
     assert cost(4) == pytest.approx(2.0 + 3 / 7)
     assert cost(32) == pytest.approx(9.0)  # along the last segment
     assert cost(0) == 2.0
-    cost.observe(8, 4.0)
-    assert cost(8) == pytest.approx(0.9 * 3.0 + 0.1 * 4.0)
-    cost.observe(64, 20.0)  # past the table: a new point
-    assert cost(64) == 20.0
+    cost.observe(8, 4.0)  # a step took 1 s more than its shape: every row count is read 0.1 s dearer
+    assert cost.offset == pytest.approx(0.1)
+    assert cost(8) == pytest.approx(3.1) and cost(16) == pytest.approx(5.1) and cost(1) == pytest.approx(2.1)
+    for _ in range(200):  # what a step costs beside its rows is added, not multiplied: a row is no dearer
+        cost.observe(8, 4.0)
+    assert cost(16) - cost(8) == pytest.approx(5.0 - 3.0)
+
+
+def test_step_cost_counts_the_context_each_row_attends_to():
+    """A row costs the shape's slope and what it adds a token of the context it attends to, so rows drafted
+    at a long context cost more than the shape measured without one."""
+    cost = StepCost({1: 1.0, 8: 1.2, 16: 2.0}, per_row_context=0.001)
+    assert cost(8, 0) == pytest.approx(1.2)
+    assert cost(16, 100) - cost(8, 100) == pytest.approx(0.8 + 8 * 0.1)
+    cost.observe(8, 2.0 + 0.5, context=100)  # 0.5 s more than the model at 8 rows and 100 tokens
+    assert cost.offset == pytest.approx(0.05)
+    assert cost(16, 100) - cost(8, 100) == pytest.approx(1.6)  # the offset shifts every row count alike
+    assert StepCost({1: 1.0}, per_row_context=-1.0).per_row_context == 0.0  # timing noise never makes rows cheaper
     with pytest.raises(ValueError):
         StepCost({})
 
@@ -44,6 +58,14 @@ def test_under_load_drafting_falls_to_what_pays():
     compute_bound = StepCost({1: 1.0, 2: 2.0})  # every row costs a whole step
     assert plan_ks(compute_bound, [Sequence(0.6, 8)] * 4) == [0] * 4
     assert plan_ks(cost, []) == []
+
+
+def test_long_contexts_draft_less():
+    """Each drafted row attends to its sequence's context: at a long one the same acceptance pays for fewer."""
+    cost = StepCost({1: 1.0, 8: 1.2, 64: 8.0}, per_row_context=0.0005)
+    seqs = [Sequence(0.9, 8)] * 8
+    short, long = plan_ks(cost, seqs, context=10), plan_ks(cost, seqs, context=1000)
+    assert sum(long) < sum(short) and sum(short) > 0
 
 
 def test_expensive_drafts_draft_less():
@@ -238,3 +260,23 @@ def test_a_drafting_cost_not_measured_for_long_is_forgotten():
     waits.observe(0.0)
     assert waits.per_token("mtp") == 0.0
     assert waits.per_token("prompt-lookup") == pytest.approx(0.0025)
+
+
+def test_a_source_that_keeps_not_paying_is_tried_less_and_less_often():
+    """Each forgetting that is followed by few drafts doubles the wait before the next (a try costs a burst of
+    drafting at no cost, and a catch-up); a source that drafts for long again starts over."""
+    waits = DraftCost(window=2, stale=3, stale_max=12)
+
+    def forgotten_after(source: str) -> int:
+        waits.observe(0.02, {source: (2, 0.001)})  # drafted once (the try), then never again
+        gaps = 0
+        while waits.per_token(source) > 0.0:
+            waits.observe(0.0)
+            gaps += 1
+        return gaps
+
+    assert [forgotten_after("draft-model") for _ in range(4)] == [3, 6, 12, 12]
+    for _ in range(3):  # a source that pays drafts in gap after gap
+        waits.observe(0.02, {"draft-model": (2, 0.001)})
+    assert forgotten_after("draft-model") == 3
+    assert waits.interval("mtp") == 3  # each source its own
