@@ -63,8 +63,8 @@ def main() -> int:
         rate = sum(len(o.token_ids) for o in out) / wall
         print(f"  {kind:<14} {rate:7.1f} tok/s  steps {batch.steps - steps:4d}  drafted "
               f"{sum(o.stats.drafted for o in out):5d}  accepted {sum(o.stats.accepted for o in out):5d}  "
-              f"gap {batch.waits.overhead * 1e3:.2f} ms", file=sys.stderr)
-        costs = {name: batch.waits.per_token(name) for name in batch.waits.drafting}
+              f"gap {batch.draft_cost(n).overhead * 1e3:.2f} ms", file=sys.stderr)
+        costs = {name: batch.draft_cost(n).per_token(name) for name in batch.draft_cost(n).drafting}
         if costs:
             print("    a drafted token adds:", ", ".join(f"{n} {c * 1e3:.2f} ms" for n, c in costs.items()),
                   file=sys.stderr)

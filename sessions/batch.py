@@ -115,8 +115,9 @@ class Batch:
         """Drafting as planned, or not at all, by the tokens a second each mode has measured (k_policy.Guard): one
         guard per load (``guard``), since what pays at 2 sequences a step need not at 16, and a rate measured at
         one load says nothing of the other mode at another."""
-        self.waits = DraftCost()
-        """What the steps wait for between them, and what a drafted token adds to it."""
+        self.draft_costs: dict[int, DraftCost] = {}
+        """What the steps wait for between them, and what a drafted token of each source adds to it: one per load
+        (``draft_cost``), like the guards, since both grow with the sequences whose rounds a step waits for."""
         self.emitted = 0
         """Tokens the slots' rounds have emitted (counted as they report them)."""
         self._emitted_seen = 0
@@ -207,7 +208,8 @@ class Batch:
         caught_up = any(len(s.pending) > 1 and not s.drafted_last for s in taking)  # its first drafts in a while
         for s in taking:
             s.drafted_last = not s.fresh and len(s.pending) > 1
-        guard = self.guard(sum(s.active for s in self._all))
+        load = sum(s.active for s in self._all)
+        guard, waits = self.guard(load), self.draft_cost(load)
         drafting = guard.drafting  # the mode the slots planned this step's rounds in
         t, r, parts = 0, 0, []
         chunk = self._chunk(taking)
@@ -236,10 +238,11 @@ class Batch:
             self.calls += len(parts)
             if not any(s.fresh for s in taking):  # the plan is for rounds, not for prompts' chunks
                 self.cost.observe(t, seconds, sum(s.length for s in taking) / len(taking))
-            self._account(clean and gap is not None, guard, drafting, drafted, gap or 0.0, seconds, caught_up)
+            self._account(clean and gap is not None, guard, waits, drafting, drafted, gap or 0.0, seconds,
+                          caught_up)
             if self._gap is not None:  # the drafting slots tell their sources in their rounds' reports
                 for s in taking:
-                    s._gap = self._gap[2] if len(s.pending) > 1 else None
+                    s._gap = self._gap[3] if len(s.pending) > 1 else None
         active = sum(s.active for s in self._all)
         arm = active <= 1 or self.guard(active).drafting  # else no Session drafts next round
         if error is None and len(parts) > 1:  # a lone sequence drafts as its Session would (k_for)
@@ -278,8 +281,8 @@ class Batch:
             return self.chunk
         return max(self.chunk, len(self._positions) // len(taking))
 
-    def _account(self, clean: bool, guard: Guard, drafting: bool, drafted: int, gap: float, seconds: float,
-                 caught_up: bool) -> None:
+    def _account(self, clean: bool, guard: Guard, waits: DraftCost, drafting: bool, drafted: int, gap: float,
+                 seconds: float, caught_up: bool) -> None:
         """What a step tells of drafting (``clean``: its slots were all past their prompts, and a step before it
         ended, so the gap before it was theirs): the gap's cost (``DraftCost``; not where a slot drafted for the
         first time since its prompt or a pause, as its speculator then read all it had not read yet) and, to the
@@ -290,15 +293,15 @@ class Batch:
         self._emitted_seen = self.emitted
         self._record = (guard, drafting, gap + seconds) if clean else None
         if self._gap is not None:  # its sources told what they drafted in their rounds' reports
-            before, tokens, parts = self._gap
+            at, before, tokens, parts = self._gap
             if sum(t for t, _ in parts.values()) == tokens:
-                self.waits.observe(before, parts)
+                at.observe(before, parts)
         self._gap = None
         if clean and not caught_up:
             if drafted:
-                self._gap = (gap, drafted, {})
+                self._gap = (waits, gap, drafted, {})
             else:
-                self.waits.observe(gap)
+                waits.observe(gap)
 
     def _value(self, name: str, array: np.ndarray, n: int):
         key = (name, n)
@@ -362,16 +365,17 @@ class Batch:
         more) is planned for one slot only, the one that accepts its drafts most: what it costs is then measured
         at the price of one sequence's drafts, not of every sequence drafting as if it cost nothing."""
         active = [s for s in self._all if s.active]
+        waits = self.draft_cost(len(active))
         trying: dict[str, tuple[Slot, float]] = {}  # a source of unknown cost -> the slot that tries it
         for s in active:
             for name, acceptance in zip(s.sources, s.acceptance):
-                if name not in self.waits.drafting and acceptance > trying.get(name, (s, -1.0))[1]:
+                if name not in waits.drafting and acceptance > trying.get(name, (s, -1.0))[1]:
                     trying[name] = (s, acceptance)
         sequences = [Sequence(a, s.k_wanted if name not in trying or trying[name][0] is s else 0,
-                              self.waits.per_token(name), chance)
+                              waits.per_token(name), chance)
                      for s in active for name, a, chance in zip(s.sources, s.acceptance, s.chances())]
         self._planned = self.steps
-        plan = plan_ks(self.cost, sequences, self.waits.overhead, slots=len(active),
+        plan = plan_ks(self.cost, sequences, waits.overhead, slots=len(active),
                        context=sum(s.length for s in active) / max(len(active), 1))
         self._plan, at = {}, 0
         for s in active:
@@ -380,24 +384,34 @@ class Batch:
 
     def report(self) -> dict:
         """What the batch has measured and decided so far, for an operator (the server's ``/health``): its steps,
-        the sequences a step held on average, the gap between steps with nothing drafted, what a drafted token of
-        each source adds to it, what its steps take beyond the calibrated cost, and, per load (sequences a step), whether its guard drafts (where a Session on the batch has a
-        speculator)."""
+        the sequences a step held on average, what its steps take beyond the calibrated cost, and per load
+        (sequences a step): the gap between steps with nothing drafted, what a drafted token of each source adds
+        to it, and whether its guard drafts (where a Session on the batch has a speculator)."""
         with self._cond:
             guards = {load_label(load): "drafting" if g.drafting else "plain"
                       for load, g in sorted(self.guards.items())} if any(s.sources for s in self._all) else {}
+            costs = sorted(self.draft_costs.items())
             return {"slots": self.slots, "active": sum(s.active for s in self._all), "steps": self.steps,
                     "sequences_per_step": round(self.calls / self.steps, 2) if self.steps else 0.0,
-                    "gap_ms": round(self.waits.overhead * 1e3, 3),
-                    "draft_token_ms": {n: round(self.waits.per_token(n) * 1e3, 3) for n in self.waits.drafting},
-                    "step_offset_ms": round(self.cost.offset * 1e3, 3), "guards": guards}
+                    "step_offset_ms": round(self.cost.offset * 1e3, 3),
+                    "gap_ms": {load_label(load): round(c.overhead * 1e3, 3) for load, c in costs if c.plain},
+                    "draft_token_ms": {load_label(load): {n: round(c.per_token(n) * 1e3, 3) for n in c.drafting}
+                                       for load, c in costs if c.drafting},
+                    "guards": guards}
 
     def guard(self, sequences: int) -> Guard:
         """The guard of a step of this many sequences: one per power of two (2, 3-4, 5-8, 9-16, ...)."""
-        load = max(sequences - 1, 1).bit_length()
+        load = _load(sequences)
         if load not in self.guards:
             self.guards[load] = Guard()
         return self.guards[load]
+
+    def draft_cost(self, sequences: int) -> DraftCost:
+        """What the steps of this many sequences wait for between them: one per load, as the guards."""
+        load = _load(sequences)
+        if load not in self.draft_costs:
+            self.draft_costs[load] = DraftCost()
+        return self.draft_costs[load]
 
     def k_for(self, slot: "Slot") -> list[int] | int:
         """The planned k of each of ``slot``'s sources (planned again when it wants another k than the plan
@@ -414,6 +428,11 @@ class Batch:
             self._replan()
             ks, wanted = self._plan.get(slot, ((), -1))
         return ks if len(ks) == n else slot.k_wanted
+
+
+def _load(sequences: int) -> int:
+    """The load of a step of this many sequences: 1 for one or two, 2 for 3-4, 3 for 5-8, ..."""
+    return max(sequences - 1, 1).bit_length()
 
 
 def load_label(load: int) -> str:

@@ -263,8 +263,9 @@ def test_each_draft_source_of_a_slot_is_planned_from_its_own_acceptance_and_chan
             s.draft_sources(("prompt-lookup", "mtp-head"))
             s.reset()
             assert s.chances() == [0.5, 0.25]  # the prior: lookup answers half the rounds, the head the rest
-        batch.waits.observe(0.001)  # both sources' costs measured: every slot is planned for each
-        batch.waits.observe(0.0012, {"prompt-lookup": (2, 0.0001), "mtp-head": (2, 0.0001)})
+        waits = batch.draft_cost(2)  # both sources' costs measured at this load: every slot is planned for each
+        waits.observe(0.001)
+        waits.observe(0.0012, {"prompt-lookup": (2, 0.0001), "mtp-head": (2, 0.0001)})
         for _ in range(60):  # lookup drafts 3 and all are kept; the head drafts 3 and the first is rejected
             for s in (a, b):
                 s.k_cap(3)
@@ -356,8 +357,9 @@ def test_a_source_of_unknown_cost_is_tried_by_one_slot_and_only_drafting_slots_h
             batch._replan()
         assert [batch._plan[s][0][0] for s in slots] == [0, 0, 0, 3]  # the best-accepting slot tries it
         assert [batch._leads_draft(s) for s in slots] == [False, False, False, True]
-        batch.waits.observe(0.1)
-        batch.waits.observe(0.13, {"draft-model": (3, 0.01)})  # measured: 0.01 s a drafted token
+        assert batch.draft_cost(3) is batch.draft_cost(4) is not batch.draft_cost(2)  # one per load, as guards
+        batch.draft_cost(4).observe(0.1)
+        batch.draft_cost(4).observe(0.13, {"draft-model": (3, 0.01)})  # measured: 0.01 s a drafted token
         with batch._cond:
             batch._replan()
         assert all(batch._plan[s][0][0] > 0 for s in slots)  # cheap enough for every slot
