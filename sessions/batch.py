@@ -361,15 +361,15 @@ class Batch:
 
     def _replan(self) -> None:
         """Every drafting slot's k of each source for its next round (``k_policy.plan_ks``), from the step cost,
-        each source's acceptance, chance and measured cost. A source whose cost is not measured (yet, or any
-        more) is planned for one slot only, the one that accepts its drafts most: what it costs is then measured
-        at the price of one sequence's drafts, not of every sequence drafting as if it cost nothing."""
+        each source's acceptance, chance and measured cost. A source whose cost was forgotten is planned for one
+        slot only, the one that accepts its drafts most, until measured again: a try then costs one sequence's
+        drafts, not every sequence drafting as if it cost nothing."""
         active = [s for s in self._all if s.active]
         waits = self.draft_cost(len(active))
-        trying: dict[str, tuple[Slot, float]] = {}  # a source of unknown cost -> the slot that tries it
+        trying: dict[str, tuple[Slot, float]] = {}  # a forgotten source -> the slot that tries it
         for s in active:
             for name, acceptance in zip(s.sources, s.acceptance):
-                if name not in waits.drafting and acceptance > trying.get(name, (s, -1.0))[1]:
+                if name in waits.forgotten and acceptance > trying.get(name, (s, -1.0))[1]:
                     trying[name] = (s, acceptance)
         sequences = [Sequence(a, s.k_wanted if name not in trying or trying[name][0] is s else 0,
                               waits.per_token(name), chance)
@@ -384,7 +384,7 @@ class Batch:
 
     def report(self) -> dict:
         """What the batch has measured and decided so far, for an operator (the server's ``/health``): its steps,
-        the sequences a step held on average, what its steps take beyond the calibrated cost, and per load
+        the sequences a step held on average, what its steps take over the calibrated cost, and per load
         (sequences a step): the gap between steps with nothing drafted, what a drafted token of each source adds
         to it, and whether its guard drafts (where a Session on the batch has a speculator)."""
         with self._cond:
@@ -393,7 +393,7 @@ class Batch:
             costs = sorted(self.draft_costs.items())
             return {"slots": self.slots, "active": sum(s.active for s in self._all), "steps": self.steps,
                     "sequences_per_step": round(self.calls / self.steps, 2) if self.steps else 0.0,
-                    "step_offset_ms": round(self.cost.offset * 1e3, 3),
+                    "step_scale": round(self.cost.scale, 3),
                     "gap_ms": {load_label(load): round(c.overhead * 1e3, 3) for load, c in costs if c.plain},
                     "draft_token_ms": {load_label(load): {n: round(c.per_token(n) * 1e3, 3) for n in c.drafting}
                                        for load, c in costs if c.drafting},
@@ -407,10 +407,14 @@ class Batch:
         return self.guards[load]
 
     def draft_cost(self, sequences: int) -> DraftCost:
-        """What the steps of this many sequences wait for between them: one per load, as the guards."""
+        """What the steps of this many sequences wait for between them: one per load, as the guards; a new one
+        starts from the nearest load's."""
         load = _load(sequences)
         if load not in self.draft_costs:
-            self.draft_costs[load] = DraftCost()
+            cost = DraftCost()
+            if self.draft_costs:
+                cost.seed(self.draft_costs[min(self.draft_costs, key=lambda known: abs(known - load))])
+            self.draft_costs[load] = cost
         return self.draft_costs[load]
 
     def k_for(self, slot: "Slot") -> list[int] | int:

@@ -34,7 +34,7 @@ from collections import deque
 from dataclasses import dataclass
 
 DECAY = 0.9
-"""The weight the step cost's offset keeps at each step measured."""
+"""The weight the step cost's scale keeps at each step measured."""
 MAX_ITERATIONS = 32
 """Dinkelbach steps at most (the rate grows at every one; a handful reach the best)."""
 
@@ -42,14 +42,13 @@ MAX_ITERATIONS = 32
 class StepCost:
     """t(R, c), seconds of a batched step of R rows whose sequences hold c tokens each on average: a shape
     measured once on one sequence with no context (piecewise linear through measured points, extended along the
-    last two beyond them), what each row adds a token of context it attends to (``per_row_context``, measured
-    once too), and an offset every step refines (what the shape leaves out: each sequence's own share of a
-    step, the cores the other threads take).
+    last two beyond them) and what each row adds a token of context it attends to (``per_row_context``, measured
+    once too), times a scale every step refines: what start-up measured on a machine busy with something else
+    (another server starting) or what the shape leaves out (each sequence's own share of a step).
 
     Each row attends to its sequence's context, so a drafted row costs the shape's slope and its context: on
     the shipped target at 256 tokens of context, that adds about 75 % to the slope; on SmolLM2, 1.8 us a row
-    and token (docs/performance.md, "The cost model the k plan uses"). The offset is added, not multiplied: what
-    a step costs beside its rows does not make a row dearer."""
+    and token (docs/performance.md, "The cost model the k plan uses")."""
 
     def __init__(self, points: dict[int, float], per_row_context: float = 0.0):
         if not points or any(r < 1 or t <= 0 for r, t in points.items()):
@@ -59,8 +58,8 @@ class StepCost:
         for i in range(1, len(self.seconds)):  # more rows never cost less than fewer (else: timing noise)
             self.seconds[i] = max(self.seconds[i], self.seconds[i - 1])
         self.per_row_context = max(float(per_row_context), 0.0)
-        self.offset = 0.0
-        """Measured steps' seconds less the model's (a running mean)."""
+        self.scale = 1.0
+        """Measured steps' seconds over the model's (a running mean)."""
 
     def shape(self, rows: float) -> float:
         r, t = self.rows, self.seconds
@@ -74,12 +73,12 @@ class StepCost:
         return max(t[0] if rows < r[0] else t[lo] + slope * (rows - r[lo]), 1e-9)
 
     def __call__(self, rows: float, context: float = 0.0) -> float:
-        return max(self.shape(rows) + self.per_row_context * rows * context + self.offset, 1e-9)
+        return self.scale * (self.shape(rows) + self.per_row_context * rows * context)
 
     def observe(self, rows: int, seconds: float, context: float = 0.0) -> None:
-        """Refine the offset with a step of ``rows`` at ``context`` tokens a sequence that took ``seconds``."""
+        """Refine the scale with a step of ``rows`` at ``context`` tokens a sequence that took ``seconds``."""
         model = self.shape(rows) + self.per_row_context * rows * context
-        self.offset = DECAY * self.offset + (1 - DECAY) * (seconds - model)
+        self.scale = DECAY * self.scale + (1 - DECAY) * seconds / model
 
 
 @dataclass
@@ -189,6 +188,8 @@ class DraftCost:
         self._without: dict[str, int] = {}  # gaps in a row without each source's drafts
         self._with: dict[str, int] = {}  # gaps with each source's drafts since its cost was last forgotten
         self._interval: dict[str, int] = {}  # each source's gaps in a row without its drafts before forgetting
+        self.forgotten: set[str] = set()
+        """Sources whose cost was measured, then forgotten (and not measured again since)."""
 
     def observe(self, gap: float, parts: dict[str, tuple[int, float]] | None = None) -> None:
         """A gap before a step; ``parts``: each source that drafted for it -> (its tokens, its drafting's
@@ -202,6 +203,7 @@ class DraftCost:
             self._without[name] = 0 if name in parts else self._without.get(name, 0) + 1
             if self._without[name] >= self.interval(name):
                 del self.drafting[name], self._without[name]
+                self.forgotten.add(name)
                 if self._with.pop(name, 0) < self.window:
                     self._interval[name] = min(2 * self.interval(name), self.stale_max)
         if not parts:
@@ -213,6 +215,14 @@ class DraftCost:
         for name, (t, seconds) in parts.items():
             share = seconds / own if own > 0 else t / tokens
             self.drafting.setdefault(name, deque(maxlen=self.window)).append(grown * share / t)
+            self.forgotten.discard(name)
+
+    def seed(self, other: "DraftCost") -> None:
+        """Start from what ``other`` (another load's) has measured: a new load's plan starts from a neighbour's
+        costs, not from drafting as if nothing cost anything."""
+        self.plain.extend(other.plain)
+        for name, seen in other.drafting.items():
+            self.drafting[name] = deque(seen, maxlen=self.window)
 
     @property
     def overhead(self) -> float:

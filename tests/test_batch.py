@@ -339,9 +339,10 @@ def test_what_cannot_batch_is_refused_with_the_fix(exported):
         Batch(exported("llama", graph="fused", dtype="fp16"), CFG)
 
 
-def test_a_source_of_unknown_cost_is_tried_by_one_slot_and_only_drafting_slots_hold_up_the_drafts():
-    """Until a source's cost is measured only the slot that accepts its drafts most drafts from it (not every
-    slot, as if drafting cost nothing); a draft model's batch waits only for the slots planned to draft."""
+def test_a_forgotten_source_is_tried_by_one_slot_and_only_drafting_slots_hold_up_the_drafts():
+    """Once a source's cost is forgotten only the slot that accepts its drafts most drafts from it until it is
+    measured again (not every slot, as if drafting cost nothing); a draft model's batch waits only for the
+    slots planned to draft; a new load starts from the nearest load's costs."""
     from rlxrt.sessions.k_policy import StepCost
 
     batch = Batch(TARGET, CFG, slots=4, calibrate=False)
@@ -353,17 +354,25 @@ def test_a_source_of_unknown_cost_is_tried_by_one_slot_and_only_drafting_slots_h
             s.reset()
             s.acceptance[0], s.answers[0] = 0.6 + 0.1 * n, 1.0  # a draft model answers whenever asked
             s.k_wanted = 3
+        waits = batch.draft_cost(4)
+        assert waits is batch.draft_cost(3) and waits is not batch.draft_cost(2)  # one per load, as the guards
+        with batch._cond:
+            batch._replan()
+        assert all(batch._plan[s][0][0] > 0 for s in slots)  # never measured: every slot drafts, and tells
+        waits.observe(0.1)
+        waits.observe(0.13, {"draft-model": (3, 0.01)})  # measured: 0.01 s a drafted token
+        assert batch.draft_cost(8).per_token("draft-model") == pytest.approx(0.01)  # a new load starts from it
+        for _ in range(waits.stale):
+            waits.observe(0.1)
+        assert waits.forgotten == {"draft-model"}
         with batch._cond:
             batch._replan()
         assert [batch._plan[s][0][0] for s in slots] == [0, 0, 0, 3]  # the best-accepting slot tries it
         assert [batch._leads_draft(s) for s in slots] == [False, False, False, True]
-        assert batch.draft_cost(3) is batch.draft_cost(4) is not batch.draft_cost(2)  # one per load, as guards
-        batch.draft_cost(4).observe(0.1)
-        batch.draft_cost(4).observe(0.13, {"draft-model": (3, 0.01)})  # measured: 0.01 s a drafted token
+        waits.observe(0.13, {"draft-model": (3, 0.01)})
         with batch._cond:
             batch._replan()
-        assert all(batch._plan[s][0][0] > 0 for s in slots)  # cheap enough for every slot
-        assert all(batch._leads_draft(s) for s in slots)
+        assert all(batch._plan[s][0][0] > 0 for s in slots) and all(batch._leads_draft(s) for s in slots)
     finally:
         for s in slots:
             batch.release(s)

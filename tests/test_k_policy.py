@@ -20,12 +20,14 @@ def test_step_cost_interpolates_extends_and_learns():
     assert cost(4) == pytest.approx(2.0 + 3 / 7)
     assert cost(32) == pytest.approx(9.0)  # along the last segment
     assert cost(0) == 2.0
-    cost.observe(8, 4.0)  # a step took 1 s more than its shape: every row count is read 0.1 s dearer
-    assert cost.offset == pytest.approx(0.1)
-    assert cost(8) == pytest.approx(3.1) and cost(16) == pytest.approx(5.1) and cost(1) == pytest.approx(2.1)
-    for _ in range(200):  # what a step costs beside its rows is added, not multiplied: a row is no dearer
-        cost.observe(8, 4.0)
-    assert cost(16) - cost(8) == pytest.approx(5.0 - 3.0)
+    cost.observe(8, 6.0)  # a step took twice the model's time (start-up measured a busy machine, say)
+    assert cost.scale == pytest.approx(1.1)
+    assert cost(8) == pytest.approx(3.3) and cost(16) == pytest.approx(5.5) and cost(1) == pytest.approx(2.2)
+    for _ in range(100):
+        cost.observe(8, 6.0)
+    assert cost(16) == pytest.approx(10.0, rel=1e-3)  # every row count read at the measured scale
+    with pytest.raises(ValueError):
+        StepCost({})
 
 
 def test_step_cost_counts_the_context_each_row_attends_to():
@@ -34,12 +36,10 @@ def test_step_cost_counts_the_context_each_row_attends_to():
     cost = StepCost({1: 1.0, 8: 1.2, 16: 2.0}, per_row_context=0.001)
     assert cost(8, 0) == pytest.approx(1.2)
     assert cost(16, 100) - cost(8, 100) == pytest.approx(0.8 + 8 * 0.1)
-    cost.observe(8, 2.0 + 0.5, context=100)  # 0.5 s more than the model at 8 rows and 100 tokens
-    assert cost.offset == pytest.approx(0.05)
-    assert cost(16, 100) - cost(8, 100) == pytest.approx(1.6)  # the offset shifts every row count alike
+    cost.observe(8, 2.0 * 1.5, context=100)  # 1.5 times the model at 8 rows and 100 tokens
+    assert cost.scale == pytest.approx(1.05)
+    assert cost(16, 100) - cost(8, 100) == pytest.approx(1.05 * 1.6)
     assert StepCost({1: 1.0}, per_row_context=-1.0).per_row_context == 0.0  # timing noise never makes rows cheaper
-    with pytest.raises(ValueError):
-        StepCost({})
 
 
 def test_a_lone_sequence_on_a_flat_step_drafts_what_its_acceptance_pays_for():
