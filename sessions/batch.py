@@ -13,7 +13,7 @@ tokens a step, so a long one does not stall the others.
 A slot's rows are computed bitwise as the one-sequence graph computes them (rlxrt's kernels compute a row the
 same among any others), so batching changes no output: greedy output equals the request served alone, and a
 seeded request follows the seed contract (docs/exactness.md). What batching does change is what a drafted token
-costs: after each step the batch plans every slot's k for its next round from the measured step cost and the
+costs: every few steps the batch plans every slot's k for its next rounds from the measured step cost and the
 slot's acceptance (``k_policy.plan_ks``); a Session drafts at most that (a seeded request keeps its k). A drafted
 token costs the step its row and what the step waits for while the slots draft: the gaps between steps, measured
 (``k_policy.DraftCost``). A Session whose speculator has several sources (lookup, then a head) is planned a k
