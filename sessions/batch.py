@@ -203,7 +203,8 @@ class Batch:
         taking = [s for s in self._all if s.pending is not None]
         start = time.perf_counter()
         gap = start - self._ended if self._ended is not None else None
-        clean = len(taking) > 1 and not any(s.fresh for s in taking)  # every slot past its prompt: rounds alone
+        rounds = not any(s.fresh for s in taking)  # every slot past its prompt: the step holds rounds alone
+        clean = len(taking) > 1 and rounds
         drafted = sum(len(s.pending) - 1 for s in taking) if clean else 0
         caught_up = any(len(s.pending) > 1 and not s.drafted_last for s in taking)  # its first drafts in a while
         for s in taking:
@@ -236,7 +237,7 @@ class Batch:
         if error is None:
             self.steps += 1
             self.calls += len(parts)
-            if not any(s.fresh for s in taking):  # the plan is for rounds, not for prompts' chunks
+            if rounds:  # the plan is for rounds, not for prompts' chunks
                 self.cost.observe(t, seconds, sum(s.length for s in taking) / len(taking))
             self._account(clean and gap is not None, guard, waits, drafting, drafted, gap or 0.0, seconds,
                           caught_up)

@@ -106,7 +106,7 @@ def plan_ks(cost: StepCost, sequences: list[Sequence], overhead: float = 0.0, sl
     ``overhead``: seconds every step costs besides t(R), whatever is drafted (the sequences' work between steps).
     ``slots``: the sequences the step runs, where ``sequences`` holds several sources of one (default: one
     each). ``context``: the tokens each sequence holds, on average. The step's cost is read once per row count
-    it can reach (the plan runs after every step, under the batch's lock)."""
+    it can reach (the batch plans every few steps, under its lock)."""
     n = len(sequences) if slots is None else slots
     if not sequences:
         return []
