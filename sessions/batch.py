@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -35,7 +36,7 @@ from rlxrt.checks import as_int
 from rlxrt.errors import GenerationError
 from rlxrt.limits import K_MAX
 
-from .k_policy import DraftCost, Guard, Sequence, StepCost, plan_ks
+from .k_policy import Acceptance, DraftCost, Guard, Sequence, StepCost, plan_ks
 from .kv import GraphModel, check_room, draft_vocab_ids
 
 CHUNK = 32
@@ -48,6 +49,7 @@ PRIOR_ANSWER = 0.5
 """The chance a source asked to draft proposes something, before any round has told (lookup: that it finds a
 match)."""
 ACCEPTANCE_DECAY = 0.9
+"""What a slot's estimates of a source (its acceptance, its chance to answer) keep of the past at each round."""
 REPLAN_STEPS = 8
 """Steps a plan serves before it is made again (sooner where a slot joins or wants another k): a plan of 8
 sequences takes 0.1-0.2 ms, run by the thread whose hand-in completed the step while the others wait."""
@@ -56,9 +58,11 @@ CALIBRATION_REPEATS = 5
 CONTEXT_ROWS = 8
 CONTEXT_TOKENS = 256
 """The rows and context of the calibration step that measures what a row adds a token of context it attends to."""
-ACCEPTANCE_DRIFT = 0.02
-"""How far a slot's acceptance estimate moves back to the prior in a round that drafted nothing: a sequence whose
-drafts stopped paying is tried again, and its estimate refreshed."""
+CATCH_UP_ROUNDS = 8
+"""A source that drafts after this many rounds of its slot without its drafts catches up first (``_Gap``)."""
+ACCEPTANCE_DRIFT = 0.06
+"""What a slot's acceptance counts of a source lose in a round it did not draft: its estimate moves back to the
+prior (half-way in about 35 such rounds), so a sequence whose drafts stopped paying is tried again."""
 
 
 class Batch:
@@ -123,7 +127,7 @@ class Batch:
         self._emitted_seen = 0
         self._ended: float | None = None  # when the last step ended
         self._record: tuple[Guard, bool, float] | None = None  # the last clean step's guard, mode and seconds
-        self._gap: tuple[float, int, dict] | None = None  # the last clean step's gap, drafted tokens, their sources
+        self._gap: _Gap | None = None  # the last clean step's gap, its drafted tokens and their sources
         self.cost = StepCost({1: 1.0})
         if self._hidden_name and self._hidden_name in graph.output_names:
             self.fetch_hidden()  # bound to a buffer made once, whether a slot reads it or not
@@ -243,7 +247,7 @@ class Batch:
                           caught_up)
             if self._gap is not None:  # the drafting slots tell their sources in their rounds' reports
                 for s in taking:
-                    s._gap = self._gap[3] if len(s.pending) > 1 else None
+                    s._gap = self._gap if len(s.pending) > 1 else None
         active = sum(s.active for s in self._all)
         arm = active <= 1 or self.guard(active).drafting  # else no Session drafts next round
         if error is None and len(parts) > 1:  # a lone sequence drafts as its Session would (k_for)
@@ -286,21 +290,22 @@ class Batch:
                  seconds: float, caught_up: bool) -> None:
         """What a step tells of drafting (``clean``: its slots were all past their prompts, and a step before it
         ended, so the gap before it was theirs): the gap's cost (``DraftCost``; not where a slot drafted for the
-        first time since its prompt or a pause, as its speculator then read all it had not read yet) and, to the
+        first time since its prompt or a pause, nor where a source of a slot did (``_Gap.caught_up``), as its
+        speculator then read all it had not read yet) and, to the
         guard, the step before it with the tokens its rounds emitted (reported between the two steps)."""
         if self._record is not None:
             last, *record = self._record
             last.step(*record, self.emitted - self._emitted_seen)
         self._emitted_seen = self.emitted
         self._record = (guard, drafting, gap + seconds) if clean else None
-        if self._gap is not None:  # its sources told what they drafted in their rounds' reports
-            at, before, tokens, parts = self._gap
-            if sum(t for t, _ in parts.values()) == tokens:
-                at.observe(before, parts)
+        record = self._gap
+        if record is not None and not record.caught_up:  # its sources told what they drafted in their reports
+            if sum(t for t, _ in record.parts.values()) == record.tokens:
+                record.waits.observe(record.gap, record.parts)
         self._gap = None
         if clean and not caught_up:
             if drafted:
-                self._gap = (waits, gap, drafted, {})
+                self._gap = _Gap(waits, gap, drafted)
             else:
                 waits.observe(gap)
 
@@ -370,9 +375,9 @@ class Batch:
         trying: dict[str, tuple[Slot, float]] = {}  # a forgotten source -> the slot that tries it
         for s in active:
             for name, acceptance in zip(s.sources, s.acceptance):
-                if name in waits.forgotten and acceptance > trying.get(name, (s, -1.0))[1]:
-                    trying[name] = (s, acceptance)
-        sequences = [Sequence(a, s.k_wanted if name not in trying or trying[name][0] is s else 0,
+                if name in waits.forgotten and acceptance.first > trying.get(name, (s, -1.0))[1]:
+                    trying[name] = (s, acceptance.first)
+        sequences = [Sequence(a.values(s.k_wanted), s.k_wanted if name not in trying or trying[name][0] is s else 0,
                               waits.per_token(name), chance)
                      for s in active for name, a, chance in zip(s.sources, s.acceptance, s.chances())]
         self._planned = self.steps
@@ -435,6 +440,21 @@ class Batch:
         return ks if len(ks) == n else slot.k_wanted
 
 
+@dataclass
+class _Gap:
+    """The gap before a clean step with drafts, told to ``waits`` once every drafting slot has reported which
+    of its sources drafted how many tokens in how many seconds (``parts``)."""
+
+    waits: DraftCost
+    gap: float
+    tokens: int
+    parts: dict[str, tuple[int, float]] = field(default_factory=dict)
+    caught_up: bool = False
+    """A source drafted for the first time since its request's prompt, or in ``CATCH_UP_ROUNDS`` rounds of its
+    slot: it read everything it had not (a head reads every row since its last proposal; after the prompt, the
+    prompt), so the gap says what catching up costs, not what its tokens do."""
+
+
 def _load(sequences: int) -> int:
     """The load of a step of this many sequences: 1 for one or two, 2 for 3-4, 3 for 5-8, ..."""
     return max(sequences - 1, 1).bit_length()
@@ -473,16 +493,19 @@ class Slot(GraphModel):
         """The draft sources of its Session's speculator (``draft_sources``); none for plain decoding."""
         self.batched: tuple[bool, ...] = ()
         """Of each source: whether its drafts run in a Batch's steps (a draft model on a Batch's slot)."""
-        self.acceptance: list[float] = []
-        """Of each source: the estimated chance a drafted token is accepted, given the ones before it were."""
+        self.acceptance: list[Acceptance] = []
+        """Of each source: the estimated chance a drafted token is accepted, given the ones before it were, by
+        position."""
         self.answers: list[float] = []
         """Of each source: the estimated chance it proposes something when asked (lookup: finds a match)."""
         self.caps: list[int] = []
         """The k of each source this round (``k_cap``)."""
         self._asked = False  # the round was planned: caps says which sources were asked
-        self._gap: dict | None = None  # the sources of the step that ran this slot's drafts, told in ``observe``
+        self._gap: _Gap | None = None  # the gap before the step that ran this slot's drafts, told in ``observe``
         self.drafted_last = False
         """Whether its last call held drafted tokens."""
+        self._rounds = 0  # the rounds it has reported
+        self._drafted_at: list[int | None] = []  # of each source, the round it last drafted (None: not since reset)
         self.k_wanted = 0
         """The k the Session would draft next round, before the batch's plan caps it."""
         self._logits = np.zeros((K_MAX + 1, self.logits_width), np.float32)
@@ -499,6 +522,7 @@ class Slot(GraphModel):
         with self.batch._cond:
             self.length, self.hidden, self.fresh = 0, None, True
             self.active = not self.led
+            self._drafted_at = [None] * len(self.sources)
 
     def idle(self) -> None:
         """The request ended (or, for a draft's slot, its round's drafting did): steps no longer wait for it."""
@@ -563,9 +587,10 @@ class Slot(GraphModel):
         with self.batch._cond:
             self.sources = tuple(names)
             self.batched = tuple(batched) if batched is not None else (False,) * len(names)
-            self.acceptance = [PRIOR_ACCEPTANCE] * len(names)
+            self.acceptance = [Acceptance(PRIOR_ACCEPTANCE, ACCEPTANCE_DECAY, ACCEPTANCE_DRIFT) for _ in names]
             self.answers = [PRIOR_ANSWER] * len(names)
             self.caps = [0] * len(names)
+            self._drafted_at = [None] * len(names)
 
     def chances(self) -> list[float]:
         """Of each source, the chance it is the one to draft the next round: it answers, and none before it did."""
@@ -592,17 +617,22 @@ class Slot(GraphModel):
         acceptance and chances the batch plans with, what the step before it waited for, the tokens it emitted."""
         with self.batch._cond:
             self.batch.emitted += accepted + 1
-            if self._gap is not None and drafted > 0:
-                tokens, spent = self._gap.get(self.sources[source], (0, 0.0))
-                self._gap[self.sources[source]] = (tokens + drafted, spent + seconds)
+            if drafted > 0:
+                last = self._drafted_at[source]
+                if self._gap is not None:
+                    tokens, spent = self._gap.parts.get(self.sources[source], (0, 0.0))
+                    self._gap.parts[self.sources[source]] = (tokens + drafted, spent + seconds)
+                    if last is None or self._rounds - last > CATCH_UP_ROUNDS:
+                        self._gap.caught_up = True
+                self._drafted_at[source] = self._rounds
+            self._rounds += 1
             self._gap = None
             self._answered(drafted, source)
-            for i in range(len(self.acceptance)):
+            for i, estimate in enumerate(self.acceptance):
                 if drafted > 0 and i == source:
-                    rate = accepted / min(drafted, accepted + 1)  # of the positions reached (a rejection ends it)
-                    self.acceptance[i] = ACCEPTANCE_DECAY * self.acceptance[i] + (1 - ACCEPTANCE_DECAY) * rate
+                    estimate.observe(drafted, accepted)
                 else:  # not drafted from: drifts back, so a source whose drafts stopped paying is tried again
-                    self.acceptance[i] += ACCEPTANCE_DRIFT * (PRIOR_ACCEPTANCE - self.acceptance[i])
+                    estimate.drift()
 
     def _answered(self, drafted: int, source: int) -> None:
         """Which sources were asked this round and whether they answered: each before the one that drafted

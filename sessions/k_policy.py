@@ -8,7 +8,8 @@ expectation
     E(k) = 1 + a + a^2 + ... + a^k
 
 tokens (the accepted drafts and the bonus or recovered token), so its j-th drafted token earns a^j at the cost
-of one row more of the step, d of drafting, and nothing else. The step's throughput is
+of one row more of the step, d of drafting, and nothing else (with an acceptance a_i per position, as a
+batch's slots estimate it: a_1 a_2 ... a_j). The step's throughput is
 
     rate = sum_i E_i(k_i) / (t(R) + sum_i k_i d_i),      R = sum_i (1 + k_i)
 
@@ -85,8 +86,9 @@ class StepCost:
 class Sequence:
     """What ``plan_ks`` knows of one sequence of the step."""
 
-    acceptance: float
-    """Estimated chance that a drafted token is accepted, given the ones before it were (0..1)."""
+    acceptance: float | tuple[float, ...]
+    """Estimated chance that a drafted token is accepted, given the ones before it were (0..1): one value for
+    every position, or one per position (``Acceptance.values``; the last one holds beyond them)."""
     k_max: int
     """The most it may draft (its request's k, its budget); 0 for a sequence without a speculator."""
     draft_seconds: float = 0.0
@@ -111,7 +113,7 @@ def plan_ks(cost: StepCost, sequences: list[Sequence], overhead: float = 0.0, sl
     if not sequences:
         return []
     table = [cost(n + m, context) + overhead for m in range(sum(s.k_max for s in sequences) + 1)]
-    powers = [[min(max(s.acceptance, 0.0), 1.0) ** (j + 1) for j in range(s.k_max)] for s in sequences]
+    powers = [_powers(s) for s in sequences]
     chances = [min(max(s.chance, MIN_CHANCE), 1.0) for s in sequences]
     plan = _Plan(table, sequences, powers, chances, n)
     ks, rate = [0] * len(sequences), n / table[0]
@@ -122,6 +124,67 @@ def plan_ks(cost: StepCost, sequences: list[Sequence], overhead: float = 0.0, sl
             return ks
         ks, rate = better, new_rate
     return ks
+
+
+def _powers(s: Sequence) -> list[float]:
+    """What each of the sequence's drafted tokens earns: the chance it and every one before it are accepted."""
+    each = (s.acceptance,) if isinstance(s.acceptance, (int, float)) else tuple(s.acceptance) or (0.0,)
+    out, run = [], 1.0
+    for j in range(s.k_max):
+        run *= min(max(each[min(j, len(each) - 1)], 0.0), 1.0)
+        out.append(run)
+    return out
+
+
+class Acceptance:
+    """One draft source's acceptance by drafted position, as a batch's slot estimates it from its rounds: a_i,
+    the chance that the i-th drafted token is accepted given that the ones before it were. The positions differ
+    (SmolLM2-135M: its head 0.56, 0.63, 0.76, 0.60 at positions 1-4, prompt lookup 0.71, 0.78, 0.88, 0.87), so
+    one value, which rounds drafting one token measure at the first position alone, prices the later tokens at
+    a^j, too low, and the plan stops them early. Counts decay by ``decay`` a round of this source and by
+    ``drift`` a round of another or none, so an estimate follows the text and a source whose drafts stopped
+    paying drifts back to the prior and is tried again; a position has a prior worth ``weight`` rounds at the
+    estimate of the position before it (the first: ``prior``), so a position not reached yet looks like it."""
+
+    def __init__(self, prior: float = 0.5, decay: float = 0.9, drift: float = 0.06, weight: float = 1.0):
+        self.prior, self.decay, self.drift_share, self.weight = prior, decay, drift, weight
+        self._reached: list[float] = []  # position i + 1 drafted with every one before it accepted
+        self._accepted: list[float] = []
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A round that drafted ``drafted`` tokens from this source, of which the first ``accepted`` were kept."""
+        self._fade(self.decay)
+        reached = min(drafted, accepted + 1)  # a rejection ends the round: later positions say nothing
+        while len(self._reached) < reached:
+            self._reached.append(0.0)
+            self._accepted.append(0.0)
+        for i in range(reached):
+            self._reached[i] += 1.0
+            if i < accepted:
+                self._accepted[i] += 1.0
+
+    def drift(self) -> None:
+        """A round this source did not draft."""
+        self._fade(1.0 - self.drift_share)
+
+    def _fade(self, factor: float) -> None:
+        for i in range(len(self._reached)):
+            self._reached[i] *= factor
+            self._accepted[i] *= factor
+
+    def values(self, positions: int) -> tuple[float, ...]:
+        """a_1 .. a_positions."""
+        out, a = [], self.prior
+        for i in range(positions):
+            if i < len(self._reached):
+                a = (self._accepted[i] + a * self.weight) / (self._reached[i] + self.weight)
+            out.append(a)
+        return tuple(out)
+
+    @property
+    def first(self) -> float:
+        """a_1: the chance the first drafted token is accepted."""
+        return self.values(1)[0]
 
 
 class _Plan:

@@ -272,7 +272,7 @@ def test_each_draft_source_of_a_slot_is_planned_from_its_own_acceptance_and_chan
                 s.observe(3, 3, 0)
                 s.k_cap(3)
                 s.observe(3, 0, 1)
-        assert a.acceptance[0] > 0.9 and a.acceptance[1] < 0.2
+        assert a.acceptance[0].first > 0.9 and a.acceptance[1].first < 0.2
         assert 0.4 < a.chances()[0] < 0.6 and 0.4 < a.chances()[1] < 0.6  # each drafted half the rounds
         with batch._cond:
             batch._replan()  # as after every step
@@ -352,7 +352,7 @@ def test_a_forgotten_source_is_tried_by_one_slot_and_only_drafting_slots_hold_up
         for n, s in enumerate(slots):
             s.draft_sources(("draft-model",), (True,))
             s.reset()
-            s.acceptance[0], s.answers[0] = 0.6 + 0.1 * n, 1.0  # a draft model answers whenever asked
+            s.acceptance[0].prior, s.answers[0] = 0.6 + 0.1 * n, 1.0  # a draft model answers whenever asked
             s.k_wanted = 3
         waits = batch.draft_cost(4)
         assert waits is batch.draft_cost(3) and waits is not batch.draft_cost(2)  # one per load, as the guards
@@ -373,6 +373,52 @@ def test_a_forgotten_source_is_tried_by_one_slot_and_only_drafting_slots_hold_up
         with batch._cond:
             batch._replan()
         assert all(batch._plan[s][0][0] > 0 for s in slots) and all(batch._leads_draft(s) for s in slots)
+    finally:
+        for s in slots:
+            batch.release(s)
+
+
+def test_a_source_catching_up_leaves_its_gap_unmeasured():
+    """A head reads at its first proposal all it has not read (the prompt, or the rounds since it last drafted):
+    the gap before such a step says what catching up costs, not what a drafted token does, and is not measured
+    as the source's cost; its next drafts, a round later, are."""
+    from rlxrt.sessions.batch import CATCH_UP_ROUNDS, _Gap
+
+    batch = Batch(TARGET, CFG, slots=2, calibrate=False)
+    slots = [batch.slot(), batch.slot()]
+    waits = batch.draft_cost(2)
+    waits.observe(0.001)  # the gap with nothing drafted
+
+    def step(source: int, gap: float = 0.005):
+        """A clean step whose rounds drafted 2 tokens a slot from ``source``, reported, then the next step."""
+        with batch._cond:
+            batch._gap = record = _Gap(waits, gap, 2 * len(slots))
+            for s in slots:
+                s._gap = record
+        for s in slots:
+            s.observe(2, 1, source, 0.001)
+        with batch._cond:
+            batch._account(False, batch.guard(2), waits, True, 0, 0.0, 0.0, False)
+        return record
+
+    def measured(name: str) -> int:
+        return len(waits.drafting.get(name, ()))
+
+    try:
+        for s in slots:
+            s.draft_sources(("prompt-lookup", "mtp-head"))
+            s.reset()
+        assert step(1, gap=0.05).caught_up and measured("mtp-head") == 0  # the first since the prompt
+        assert not step(1).caught_up and measured("mtp-head") == 1
+        assert waits.per_token("mtp-head") == pytest.approx(0.001)  # (0.005 - 0.001) / 4 tokens
+        assert step(0).caught_up and measured("prompt-lookup") == 0  # every source's first drafts of a request
+        for _ in range(CATCH_UP_ROUNDS):
+            assert not step(0).caught_up
+        assert measured("prompt-lookup") == CATCH_UP_ROUNDS
+        assert step(1, gap=0.05).caught_up and measured("mtp-head") == 1  # back after 9 rounds of lookup
+        for s in slots:
+            s.reset()  # a new request: its first drafts read its prompt
+        assert step(0).caught_up
     finally:
         for s in slots:
             batch.release(s)

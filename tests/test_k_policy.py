@@ -6,12 +6,18 @@ import itertools
 import numpy as np
 import pytest
 
-from rlxrt.sessions.k_policy import DraftCost, Guard, Sequence, StepCost, plan_ks
+from rlxrt.sessions.k_policy import Acceptance, DraftCost, Guard, Sequence, StepCost, plan_ks
+
+
+def earned(s: Sequence, k: int) -> float:
+    """1 + a_1 + a_1 a_2 + ... over k drafted tokens (one acceptance for every position, or one per position)."""
+    each = [s.acceptance] * k if isinstance(s.acceptance, float) else list(s.acceptance)
+    return 1 + sum(float(np.prod(each[:j])) for j in range(1, k + 1))
 
 
 def rate(cost: StepCost, seqs: list[Sequence], ks: list[int]) -> float:
-    earned = sum(sum(s.acceptance ** j for j in range(k + 1)) for s, k in zip(seqs, ks))
-    return earned / (cost(sum(1 + k for k in ks)) + sum(k * s.draft_seconds for s, k in zip(seqs, ks)))
+    earned_all = sum(earned(s, k) for s, k in zip(seqs, ks))
+    return earned_all / (cost(sum(1 + k for k in ks)) + sum(k * s.draft_seconds for s, k in zip(seqs, ks)))
 
 
 def test_step_cost_interpolates_extends_and_learns():
@@ -68,6 +74,37 @@ def test_long_contexts_draft_less():
     assert sum(long) < sum(short) and sum(short) > 0
 
 
+def test_acceptance_by_position_prices_every_drafted_token():
+    """A source whose first drafted token is accepted half the time and whose later ones almost always are when
+    it is (lookup, a head: positions 2-4 accept more than position 1 does): one value, the first position's,
+    prices the third token at 0.5^3 and stops at one; the estimate by position drafts all three."""
+    cost = StepCost({1: 1.0, 2: 1.25, 8: 2.75})  # a row costs a quarter of a step
+    estimate = Acceptance(prior=0.5, decay=0.9, drift=0.06, weight=1.0)
+    for _ in range(40):  # rejected at once, or kept whole
+        estimate.observe(3, 0)
+        estimate.observe(3, 3)
+    first, second, third = estimate.values(3)
+    assert 0.4 < first < 0.6 and second > 0.9 and third > 0.9
+    assert plan_ks(cost, [Sequence(first, 3)]) == [1]
+    assert plan_ks(cost, [Sequence(estimate.values(3), 3)]) == [3]
+    assert plan_ks(cost, [Sequence((first, 0.0), 3)]) == [1]  # past what it knows, the last position holds
+
+
+def test_an_acceptance_estimate_starts_from_its_prior_and_drifts_back_to_it():
+    estimate = Acceptance(prior=0.5, decay=0.9, drift=0.06, weight=1.0)
+    assert estimate.values(3) == (0.5, 0.5, 0.5) and estimate.first == 0.5
+    for _ in range(30):
+        estimate.observe(1, 1)  # only the first position is ever reached
+    first, second = estimate.values(2)
+    assert first > 0.9 and second == pytest.approx(first)  # a position not reached looks like the one before
+    for _ in range(35):  # rounds without this source's drafts: half-way back to the prior
+        estimate.drift()
+    assert 0.6 < estimate.first < 0.8
+    for _ in range(500):
+        estimate.drift()
+    assert estimate.first == pytest.approx(0.5, abs=0.01)
+
+
 def test_expensive_drafts_draft_less():
     cost = StepCost({1: 1.0, 64: 1.5})
     cheap, dear = plan_ks(cost, [Sequence(0.7, 8, 0.0), Sequence(0.7, 8, 0.5)])
@@ -82,6 +119,8 @@ def test_the_plan_has_the_best_rate_of_every_choice(seed):
     cost = StepCost({r: base + slope * max(0, r - knee) for r in (1, knee, knee + 1, 16)})
     seqs = [Sequence(float(rng.uniform(0, 1)), int(rng.integers(0, 5)), float(rng.uniform(0, 0.2)))
             for _ in range(3)]
+    if seed % 2:  # an acceptance per position, as a batch's slots estimate it
+        seqs = [Sequence(tuple(float(a) for a in rng.uniform(0, 1, 4)), s.k_max, s.draft_seconds) for s in seqs]
     ks = plan_ks(cost, seqs)
     best = max(rate(cost, seqs, list(c)) for c in itertools.product(*(range(s.k_max + 1) for s in seqs)))
     assert all(0 <= k <= s.k_max for k, s in zip(ks, seqs))
