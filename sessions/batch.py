@@ -110,6 +110,8 @@ class Batch:
         self._cond = threading.Condition()
         self._free = list(range(self.slots))
         self._all: list[Slot] = []
+        self._active = 0
+        self._recount = False  # a slot's ``active`` changed since ``_active`` was counted
         self._running = False
         self.steps = 0
         self.calls = 0
@@ -213,7 +215,7 @@ class Batch:
         caught_up = any(len(s.pending) > 1 and not s.drafted_last for s in taking)  # its first drafts in a while
         for s in taking:
             s.drafted_last = not s.fresh and len(s.pending) > 1
-        load = sum(s.active for s in self._all)
+        load = self._active_count()
         guard, waits = self.guard(load), self.draft_cost(load)
         drafting = guard.drafting  # the mode the slots planned this step's rounds in
         t, r, parts = 0, 0, []
@@ -248,7 +250,7 @@ class Batch:
             if self._gap is not None:  # the drafting slots tell their sources in their rounds' reports
                 for s in taking:
                     s._gap = self._gap if len(s.pending) > 1 else None
-        active = sum(s.active for s in self._all)
+        active = self._active_count()
         arm = active <= 1 or self.guard(active).drafting  # else no Session drafts next round
         if error is None and len(parts) > 1:  # a lone sequence drafts as its Session would (k_for)
             if not arm:  # nobody drafts next round: planned again when the guard drafts (k_for)
@@ -397,13 +399,20 @@ class Batch:
             guards = {load_label(load): "drafting" if g.drafting else "plain"
                       for load, g in sorted(self.guards.items())} if any(s.sources for s in self._all) else {}
             costs = sorted(self.draft_costs.items())
-            return {"slots": self.slots, "active": sum(s.active for s in self._all), "steps": self.steps,
+            return {"slots": self.slots, "active": self._active_count(), "steps": self.steps,
                     "sequences_per_step": round(self.calls / self.steps, 2) if self.steps else 0.0,
                     "step_scale": round(self.cost.scale, 3),
                     "gap_ms": {load_label(load): round(c.overhead * 1e3, 3) for load, c in costs if c.plain},
                     "draft_token_ms": {load_label(load): {n: round(c.per_token(n) * 1e3, 3) for n in c.drafting}
                                        for load, c in costs if c.drafting},
                     "guards": guards}
+
+    def _active_count(self) -> int:
+        """The slots in a request, counted again only after one changed (every round asks, under the lock)."""
+        if self._recount:
+            self._recount = False  # before the count: a change while counting is counted again next time
+            self._active = sum(s.active for s in self._all)
+        return self._active
 
     def guard(self, sequences: int) -> Guard:
         """The guard of a step of this many sequences: one per power of two (2, 3-4, 5-8, 9-16, ...)."""
@@ -427,7 +436,7 @@ class Batch:
         """The planned k of each of ``slot``'s sources (planned again when it wants another k than the plan
         assumed), or one k for all of them: a lone sequence drafts what its Session would draft alone, and
         none drafts where the guard says so."""
-        active = sum(s.active for s in self._all)
+        active = self._active_count()
         if active <= 1:
             return slot.k_wanted
         if not self.guard(active).drafting:
@@ -522,12 +531,14 @@ class Slot(GraphModel):
         with self.batch._cond:
             self.length, self.hidden, self.fresh = 0, None, True
             self.active = not self.led
+            self.batch._recount = True
             self._drafted_at = [None] * len(self.sources)
 
     def idle(self) -> None:
         """The request ended (or, for a draft's slot, its round's drafting did): steps no longer wait for it."""
         with self.batch._cond:
             self.active = False
+            self.batch._recount = True
             self.batch._cond.notify_all()
         for draft in self.leads:
             draft.idle()
@@ -544,6 +555,7 @@ class Slot(GraphModel):
         """Its target stepped: its Session drafts next, and the draft's steps wait for it (``idle`` ends it)."""
         with self.batch._cond:
             self.active = True
+            self.batch._recount = True
 
     def keep_hidden(self, rows: np.ndarray, at: int, total: int) -> None:
         """Rows ``at``.. of the hidden states of this slot's call of ``total`` tokens (a prompt comes in chunks);
@@ -571,7 +583,9 @@ class Slot(GraphModel):
         for draft in self.leads:  # the round's drafting is done (armed only by this slot's step, which is over)
             if draft.active:
                 draft.idle()
-        self.active = True
+        if not self.active:
+            self.active = True
+            self.batch._recount = True
         t0 = time.perf_counter()
         self.batch.submit(self, np.asarray(tokens, np.int64), n)
         self.run_seconds += time.perf_counter() - t0

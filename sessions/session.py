@@ -333,7 +333,7 @@ class Session:
                     break
                 t0 = time.perf_counter()
                 k_round = min(k_now, budget - 1) if spec is not None else 0
-                if shared and planned:
+                if shared and planned and spec is not None:
                     k_round = target.k_cap(k_round, adaptive_ks)
                     if several:
                         spec.set_ks(target.caps)

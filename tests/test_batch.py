@@ -422,3 +422,33 @@ def test_a_source_catching_up_leaves_its_gap_unmeasured():
     finally:
         for s in slots:
             batch.release(s)
+
+
+def test_the_active_count_follows_every_slot_change():
+    """Rounds read the count of slots in a request without walking every slot: it is counted again after a slot
+    joins a request, ends one, is armed as a draft or hands in tokens, and a lone sequence drafts as alone."""
+    batch = Batch(TARGET, CFG, slots=3, calibrate=False)
+    a, b = batch.slot(), batch.slot()
+    try:
+        with batch._cond:
+            assert batch._active_count() == 0
+        a.reset()
+        b.reset()
+        with batch._cond:
+            assert batch._active_count() == 2
+        b.idle()
+        a.k_wanted = 3
+        with batch._cond:
+            assert batch._active_count() == 1 and batch.k_for(a) == 3  # alone: its Session's k
+        b.arm()
+        with batch._cond:
+            assert batch._active_count() == 2
+        b.active = False
+        b.forward(np.array([1, 2], np.int64))  # a hand-in makes it active again
+        with batch._cond:
+            assert batch._active_count() == 2
+    finally:
+        batch.release(a)
+        batch.release(b)
+    with batch._cond:
+        assert batch._active_count() == 0
