@@ -377,8 +377,9 @@ class Batch:
         trying: dict[str, tuple[Slot, float]] = {}  # a forgotten source -> the slot that tries it
         for s in active:
             for name, acceptance in zip(s.sources, s.acceptance):
-                if name in waits.forgotten and acceptance.first > trying.get(name, (s, -1.0))[1]:
-                    trying[name] = (s, acceptance.first)
+                first = acceptance.first if name in waits.forgotten else -1.0
+                if first > trying.get(name, (s, -1.0))[1]:
+                    trying[name] = (s, first)
         sequences = [Sequence(a.values(s.k_wanted), s.k_wanted if name not in trying or trying[name][0] is s else 0,
                               waits.per_token(name), chance)
                      for s in active for name, a, chance in zip(s.sources, s.acceptance, s.chances())]
