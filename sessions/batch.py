@@ -124,9 +124,12 @@ class Batch:
         self.draft_costs: dict[int, DraftCost] = {}
         """What the steps wait for between them, and what a drafted token of each source adds to it: one per load
         (``draft_cost``), like the guards, since both grow with the sequences whose rounds a step waits for."""
-        self.emitted = 0
-        """Tokens the slots' rounds have emitted (counted as they report them)."""
+        self._emitted_gone = 0  # tokens emitted by slots since released
         self._emitted_seen = 0
+        self.drafts_next = True
+        """Whether a Session may draft next round: False where the last step's load has its guard in plain
+        steps (made True again by any change of the slots in a request). A slot reads it without the lock, so
+        a round that drafts nothing takes the lock only to hand in its token (``Slot.k_cap``)."""
         self._ended: float | None = None  # when the last step ended
         self._record: tuple[Guard, bool, float] | None = None  # the last clean step's guard, mode and seconds
         self._gap: _Gap | None = None  # the last clean step's gap, its drafted tokens and their sources
@@ -158,6 +161,7 @@ class Batch:
         with self._cond:
             if slot in self._all:
                 slot.idle()
+                self._emitted_gone += slot.emitted
                 self._all.remove(slot)
                 self._free.append(slot.index)
                 self._cond.notify_all()
@@ -252,6 +256,7 @@ class Batch:
                     s._gap = self._gap if len(s.pending) > 1 else None
         active = self._active_count()
         arm = active <= 1 or self.guard(active).drafting  # else no Session drafts next round
+        self.drafts_next = arm
         if error is None and len(parts) > 1:  # a lone sequence drafts as its Session would (k_for)
             if not arm:  # nobody drafts next round: planned again when the guard drafts (k_for)
                 self._plan = {}
@@ -373,6 +378,8 @@ class Batch:
         slot only, the one that accepts its drafts most, until measured again: a try then costs one sequence's
         drafts, not every sequence drafting as if it cost nothing."""
         active = [s for s in self._all if s.active]
+        for s in active:
+            s._settle()
         waits = self.draft_cost(len(active))
         trying: dict[str, tuple[Slot, float]] = {}  # a forgotten source -> the slot that tries it
         for s in active:
@@ -407,6 +414,16 @@ class Batch:
                     "draft_token_ms": {load_label(load): {n: round(c.per_token(n) * 1e3, 3) for n in c.drafting}
                                        for load, c in costs if c.drafting},
                     "guards": guards}
+
+    @property
+    def emitted(self) -> int:
+        """Tokens the slots' rounds have emitted (counted as they report them)."""
+        return self._emitted_gone + sum(s.emitted for s in self._all)
+
+    def _changed(self) -> None:
+        """A slot's ``active`` changed: counted again when next asked, and its load's guard read again."""
+        self._recount = True
+        self.drafts_next = True
 
     def _active_count(self) -> int:
         """The slots in a request, counted again only after one changed (every round asks, under the lock)."""
@@ -515,6 +532,10 @@ class Slot(GraphModel):
         self.drafted_last = False
         """Whether its last call held drafted tokens."""
         self._rounds = 0  # the rounds it has reported
+        self._idle = 0  # of those, the rounds that drafted nothing (counted by its own thread, without the lock)
+        self._drifted = 0  # of those, the rounds its acceptances have drifted by (under the lock: ``_settle``)
+        self.emitted = 0
+        """Tokens its rounds have emitted (counted by its own thread; the batch sums them)."""
         self._drafted_at: list[int | None] = []  # of each source, the round it last drafted (None: not since reset)
         self.k_wanted = 0
         """The k the Session would draft next round, before the batch's plan caps it."""
@@ -532,14 +553,14 @@ class Slot(GraphModel):
         with self.batch._cond:
             self.length, self.hidden, self.fresh = 0, None, True
             self.active = not self.led
-            self.batch._recount = True
+            self.batch._changed()
             self._drafted_at = [None] * len(self.sources)
 
     def idle(self) -> None:
         """The request ended (or, for a draft's slot, its round's drafting did): steps no longer wait for it."""
         with self.batch._cond:
             self.active = False
-            self.batch._recount = True
+            self.batch._changed()
             self.batch._cond.notify_all()
         for draft in self.leads:
             draft.idle()
@@ -556,7 +577,7 @@ class Slot(GraphModel):
         """Its target stepped: its Session drafts next, and the draft's steps wait for it (``idle`` ends it)."""
         with self.batch._cond:
             self.active = True
-            self.batch._recount = True
+            self.batch._changed()
 
     def keep_hidden(self, rows: np.ndarray, at: int, total: int) -> None:
         """Rows ``at``.. of the hidden states of this slot's call of ``total`` tokens (a prompt comes in chunks);
@@ -586,7 +607,7 @@ class Slot(GraphModel):
                 draft.idle()
         if not self.active:
             self.active = True
-            self.batch._recount = True
+            self.batch._changed()
         t0 = time.perf_counter()
         self.batch.submit(self, np.asarray(tokens, np.int64), n)
         self.run_seconds += time.perf_counter() - t0
@@ -617,9 +638,15 @@ class Slot(GraphModel):
 
     def k_cap(self, wanted: int, ks=None) -> int:
         """The k this slot drafts next round when its Session would draft ``wanted`` (``ks``: at most that
-        from each source, its adaptive ks): the batch's plan, whose k for each source is left in ``caps``."""
+        from each source, its adaptive ks): the batch's plan, whose k for each source is left in ``caps``.
+        Where the last step's load drafts nothing, 0 without taking the lock (``Batch.drafts_next``)."""
+        self.k_wanted = wanted
+        if not self.batch.drafts_next:
+            for i in range(len(self.caps)):
+                self.caps[i] = 0
+            self._asked = True
+            return 0
         with self.batch._cond:
-            self.k_wanted = wanted
             plan = self.batch.k_for(self)
             for i in range(len(self.caps)):
                 k = plan if isinstance(plan, int) else plan[i]
@@ -630,8 +657,13 @@ class Slot(GraphModel):
     def observe(self, drafted: int, accepted: int, source: int = 0, seconds: float = 0.0) -> None:
         """A round's result (``source``: which one drafted it, in ``seconds`` of this slot's thread): the
         acceptance and chances the batch plans with, what the step before it waited for, the tokens it emitted."""
+        self.emitted += accepted + 1
+        if drafted == 0 and not (self._asked and any(self.caps)):  # nothing to tell but its count: no lock
+            self._asked = False
+            self._rounds += 1
+            self._idle += 1
+            return
         with self.batch._cond:
-            self.batch.emitted += accepted + 1
             if drafted > 0:
                 last = self._drafted_at[source]
                 if self._gap is not None:
@@ -643,11 +675,24 @@ class Slot(GraphModel):
             self._rounds += 1
             self._gap = None
             self._answered(drafted, source)
-            for i, estimate in enumerate(self.acceptance):
-                if drafted > 0 and i == source:
-                    estimate.observe(drafted, accepted)
-                else:  # not drafted from: drifts back, so a source whose drafts stopped paying is tried again
-                    estimate.drift()
+            if drafted == 0:
+                self._idle += 1
+            self._settle()
+            if drafted > 0:  # the other sources drift back, so one whose drafts stopped paying is tried again
+                for i, estimate in enumerate(self.acceptance):
+                    if i == source:
+                        estimate.observe(drafted, accepted)
+                    else:
+                        estimate.drift()
+
+    def _settle(self) -> None:
+        """Let every source's acceptance drift over the rounds that drafted nothing, counted without the lock
+        (called under it, before they are read)."""
+        rounds = self._idle - self._drifted
+        if rounds:
+            for estimate in self.acceptance:
+                estimate.drift(rounds)
+            self._drifted += rounds
 
     def _answered(self, drafted: int, source: int) -> None:
         """Which sources were asked this round and whether they answered: each before the one that drafted

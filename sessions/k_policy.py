@@ -165,9 +165,9 @@ class Acceptance:
             if i < accepted:
                 self._accepted[i] += 1.0
 
-    def drift(self) -> None:
-        """A round this source did not draft (applied when next read: every round of every slot calls this)."""
-        self._drifts += 1
+    def drift(self, rounds: int = 1) -> None:
+        """Rounds this source did not draft (applied when next read: every round of every slot calls this)."""
+        self._drifts += rounds
 
     def _settle(self) -> None:
         if self._drifts:

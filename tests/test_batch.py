@@ -452,3 +452,49 @@ def test_the_active_count_follows_every_slot_change():
         batch.release(b)
     with batch._cond:
         assert batch._active_count() == 0
+
+
+def test_a_round_that_drafts_nothing_takes_no_lock_and_its_drift_is_applied_when_read():
+    """Where the last step's load has its guard in plain steps, a slot's k (0) and its report of a round that
+    drafted nothing need no lock (another thread holds it here); the acceptance drifts over those rounds when the
+    plan next reads it, and the tokens they emitted are counted, also after the slot is given back."""
+    batch = Batch(TARGET, CFG, slots=2, calibrate=False, gather_seconds=30.0)
+    a, b = batch.slot(), batch.slot()
+    try:
+        for s in (a, b):
+            s.draft_sources(("draft-model",))
+        a.reset()
+        assert a.k_cap(2) == 2  # alone: its Session's k
+        a.observe(2, 2, 0)  # both kept: a_1 = (1 + 0.5) / (1 + 1) with the prior worth one round
+        b.reset()
+        assert a.acceptance[0].first == pytest.approx(0.75)
+        batch.guard(2).drafting = False
+        threads = [threading.Thread(target=s.forward, args=(np.array([5], np.int64),)) for s in (a, b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not batch.drafts_next  # the step's load drafts nothing
+        done = []
+
+        def rounds():
+            for _ in range(10):
+                done.append(a.k_cap(2))
+                a.observe(0, 0, 0)
+
+        with batch._cond:  # held: a round that needed it would wait here
+            t = threading.Thread(target=rounds)
+            t.start()
+            t.join(10)
+            assert done == [0] * 10 and not t.is_alive()
+            assert a.acceptance[0]._drifts == 0  # counted by the slot, not yet told to its acceptance
+            batch._replan()
+        kept = 0.94 ** 10
+        assert a.acceptance[0].first == pytest.approx((kept + 0.5) / (kept + 1))
+        assert batch.emitted == 3 + 10
+        b.idle()  # a slot changed: the next round asks the plan again
+        assert batch.drafts_next
+    finally:
+        batch.release(a)
+        batch.release(b)
+    assert batch.emitted == 13
