@@ -130,6 +130,9 @@ class Batch:
         """Whether a Session may draft next round: False where the last step's load has its guard in plain
         steps (made True again by any change of the slots in a request). A slot reads it without the lock, so
         a round that drafts nothing takes the lock only to hand in its token (``Slot.k_cap``)."""
+        self.planned_next = False
+        """Whether the last step left a plan for its load that the slots read without the lock (``Slot.planned``;
+        made False by any change of the slots in a request)."""
         self._ended: float | None = None  # when the last step ended
         self._record: tuple[Guard, bool, float] | None = None  # the last clean step's guard, mode and seconds
         self._gap: _Gap | None = None  # the last clean step's gap, its drafted tokens and their sources
@@ -256,12 +259,13 @@ class Batch:
                     s._gap = self._gap if len(s.pending) > 1 else None
         active = self._active_count()
         arm = active <= 1 or self.guard(active).drafting  # else no Session drafts next round
-        self.drafts_next = arm
+        self.drafts_next, self.planned_next = arm, False
         if error is None and len(parts) > 1:  # a lone sequence drafts as its Session would (k_for)
             if not arm:  # nobody drafts next round: planned again when the guard drafts (k_for)
                 self._plan = {}
             elif self.steps - self._planned >= REPLAN_STEPS or not self._plan:
                 self._replan()
+            self.planned_next = arm and active > 1 and bool(self._plan) and not self._recount
         for s, start, count, r0, want, last in parts:
             if error is not None:
                 s.pending, s.error = None, error if isinstance(error, GenerationError) else GenerationError(
@@ -395,7 +399,7 @@ class Batch:
                        context=sum(s.length for s in active) / max(len(active), 1))
         self._plan, at = {}, 0
         for s in active:
-            self._plan[s] = (plan[at:at + len(s.sources)], s.k_wanted)
+            s.planned = self._plan[s] = (plan[at:at + len(s.sources)], s.k_wanted)
             at += len(s.sources)
 
     def report(self) -> dict:
@@ -421,9 +425,9 @@ class Batch:
         return self._emitted_gone + sum(s.emitted for s in self._all)
 
     def _changed(self) -> None:
-        """A slot's ``active`` changed: counted again when next asked, and its load's guard read again."""
+        """A slot's ``active`` changed: counted again when next asked, and its load's guard and plan read again."""
         self._recount = True
-        self.drafts_next = True
+        self.drafts_next, self.planned_next = True, False
 
     def _active_count(self) -> int:
         """The slots in a request, counted again only after one changed (every round asks, under the lock)."""
@@ -539,6 +543,8 @@ class Slot(GraphModel):
         self._drafted_at: list[int | None] = []  # of each source, the round it last drafted (None: not since reset)
         self.k_wanted = 0
         """The k the Session would draft next round, before the batch's plan caps it."""
+        self.planned: tuple[list[int], int] | None = None
+        """Its part of the batch's last plan: the k of each source, and the k it wanted when planned."""
         self._logits = np.zeros((K_MAX + 1, self.logits_width), np.float32)
         self._hidden_buf: np.ndarray | None = None
         self._out: np.ndarray = self._logits[:0]
@@ -551,7 +557,7 @@ class Slot(GraphModel):
 
     def reset(self) -> None:
         with self.batch._cond:
-            self.length, self.hidden, self.fresh = 0, None, True
+            self.length, self.hidden, self.fresh, self.planned = 0, None, True, None
             self.active = not self.led
             self.batch._changed()
             self._drafted_at = [None] * len(self.sources)
@@ -639,20 +645,22 @@ class Slot(GraphModel):
     def k_cap(self, wanted: int, ks=None) -> int:
         """The k this slot drafts next round when its Session would draft ``wanted`` (``ks``: at most that
         from each source, its adaptive ks): the batch's plan, whose k for each source is left in ``caps``.
-        Where the last step's load drafts nothing, 0 without taking the lock (``Batch.drafts_next``)."""
+        Without taking the lock where the last step's load drafts nothing (0: ``Batch.drafts_next``), or left a
+        plan that holds for the k it wants (``Batch.planned_next``)."""
         self.k_wanted = wanted
-        if not self.batch.drafts_next:
-            for i in range(len(self.caps)):
-                self.caps[i] = 0
-            self._asked = True
-            return 0
-        with self.batch._cond:
-            plan = self.batch.k_for(self)
-            for i in range(len(self.caps)):
-                k = plan if isinstance(plan, int) else plan[i]
-                self.caps[i] = min(k, wanted if ks is None else min(wanted, ks[i]))
-            self._asked = True
-            return max(self.caps, default=0)
+        batch, planned = self.batch, self.planned
+        if not batch.drafts_next:
+            plan: list[int] | int = 0
+        elif batch.planned_next and planned is not None and planned[1] == wanted and len(planned[0]) == len(self.caps):
+            plan = planned[0]
+        else:
+            with batch._cond:
+                plan = batch.k_for(self)
+        for i in range(len(self.caps)):
+            k = plan if isinstance(plan, int) else plan[i]
+            self.caps[i] = min(k, wanted if ks is None else min(wanted, ks[i]))
+        self._asked = True
+        return max(self.caps, default=0)
 
     def observe(self, drafted: int, accepted: int, source: int = 0, seconds: float = 0.0) -> None:
         """A round's result (``source``: which one drafted it, in ``seconds`` of this slot's thread): the

@@ -498,3 +498,42 @@ def test_a_round_that_drafts_nothing_takes_no_lock_and_its_drift_is_applied_when
         batch.release(a)
         batch.release(b)
     assert batch.emitted == 13
+
+
+def test_a_planned_round_reads_its_k_without_the_lock_until_it_wants_another():
+    """Where the last step left a plan for its load, a slot that wants the k it was planned with reads its part
+    of the plan without the lock (another thread holds it here); one that wants another k waits for the lock,
+    since the batch plans again for it."""
+    from rlxrt.sessions.k_policy import StepCost
+
+    batch = Batch(TARGET, CFG, slots=2, calibrate=False, gather_seconds=30.0)
+    batch.cost = StepCost({1: 1.0, 2: 1.01, 64: 1.6})  # rows all but free: the plan drafts
+    a, b = batch.slot(), batch.slot()
+    try:
+        for s in (a, b):
+            s.draft_sources(("draft-model",))
+            s.reset()
+        assert a.k_cap(2) == 2 and b.k_cap(2) == 2  # planned under the lock
+        threads = [threading.Thread(target=s.forward, args=(np.array([5], np.int64),)) for s in (a, b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert batch.planned_next and a.planned == ([2], 2)
+        got = []
+        with batch._cond:
+            same = threading.Thread(target=lambda: got.append(a.k_cap(2)))
+            same.start()
+            same.join(10)
+            assert got == [2] and not same.is_alive()
+            other = threading.Thread(target=lambda: got.append(a.k_cap(3)))
+            other.start()
+            other.join(0.5)
+            assert other.is_alive() and got == [2]  # waits for the lock: planned again
+        other.join(10)
+        assert got[1] >= 1 and a.planned[1] == 3
+        b.idle()
+        assert not batch.planned_next  # a slot changed: the next round asks the batch
+    finally:
+        batch.release(a)
+        batch.release(b)
