@@ -124,7 +124,7 @@ class Batch:
         self.draft_costs: dict[int, DraftCost] = {}
         """What the steps wait for between them, and what a drafted token of each source adds to it: one per load
         (``draft_cost``), like the guards, since both grow with the sequences whose rounds a step waits for."""
-        self._emitted_gone = 0  # tokens emitted by slots since released
+        self._emitted_gone = 0  # tokens the slots given back had emitted
         self._emitted_seen = 0
         self.drafts_next = True
         """Whether a Session may draft next round: False where the last step's load has its guard in plain

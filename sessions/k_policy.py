@@ -166,7 +166,7 @@ class Acceptance:
                 self._accepted[i] += 1.0
 
     def drift(self, rounds: int = 1) -> None:
-        """Rounds this source did not draft (applied when next read: every round of every slot calls this)."""
+        """Rounds this source did not draft (applied to the counts when they are next read)."""
         self._drifts += rounds
 
     def _settle(self) -> None:
