@@ -150,11 +150,9 @@ class Acceptance:
         self.prior, self.decay, self.drift_share, self.weight = prior, decay, drift, weight
         self._reached: list[float] = []  # position i + 1 drafted with every one before it accepted
         self._accepted: list[float] = []
-        self._drifts = 0  # rounds without this source's drafts not yet applied to the counts
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A round that drafted ``drafted`` tokens from this source, of which the first ``accepted`` were kept."""
-        self._settle()
         self._fade(self.decay)
         reached = min(drafted, accepted + 1)  # a rejection ends the round: later positions say nothing
         while len(self._reached) < reached:
@@ -166,13 +164,9 @@ class Acceptance:
                 self._accepted[i] += 1.0
 
     def drift(self, rounds: int = 1) -> None:
-        """Rounds this source did not draft (applied to the counts when they are next read)."""
-        self._drifts += rounds
-
-    def _settle(self) -> None:
-        if self._drifts:
-            self._fade((1.0 - self.drift_share) ** self._drifts)
-            self._drifts = 0
+        """Rounds this source did not draft (a batch's slot counts its rounds that drafted nothing and tells
+        them when the plan reads the estimate: ``Slot._settle``)."""
+        self._fade((1.0 - self.drift_share) ** rounds)
 
     def _fade(self, factor: float) -> None:
         for i in range(len(self._reached)):
@@ -181,7 +175,6 @@ class Acceptance:
 
     def values(self, positions: int) -> tuple[float, ...]:
         """a_1 .. a_positions."""
-        self._settle()
         out, a = [], self.prior
         for i in range(positions):
             if i < len(self._reached):

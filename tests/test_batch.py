@@ -487,7 +487,7 @@ def test_a_round_that_drafts_nothing_takes_no_lock_and_its_drift_is_applied_when
             t.start()
             t.join(10)
             assert done == [0] * 10 and not t.is_alive()
-            assert a.acceptance[0]._drifts == 0  # counted by the slot, not yet told to its acceptance
+            assert a.acceptance[0]._reached == [1.0, 1.0]  # counted by the slot, not yet told to its acceptance
             batch._replan()
         kept = 0.94 ** 10
         assert a.acceptance[0].first == pytest.approx((kept + 0.5) / (kept + 1))
