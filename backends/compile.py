@@ -154,6 +154,7 @@ def session_options(ort, config: Config, level: str | None = None):
     spin = "1" if config.spinning else "0"
     opts.add_session_config_entry("session.intra_op.allow_spinning", spin)
     opts.add_session_config_entry("session.inter_op.allow_spinning", spin)
+    opts.add_session_config_entry("session.force_spinning_stop", "1")  # idle threads never take a core
     name = OPT_LEVELS[level or config.graph_optimization]
     if not hasattr(ort.GraphOptimizationLevel, name):
         raise ProviderError(

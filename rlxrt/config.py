@@ -60,7 +60,9 @@ class Config:
     inter_op_threads: int = 0
     """Threads across independent operators; 0 lets ONNX Runtime choose; at most 256."""
     allow_spinning: bool | None = None
-    """Let idle intra-op threads spin; None means off unless intra_op_threads == 1 (spinning doubles step time on a busy machine)."""
+    """Let intra-op threads spin between the parallel parts of a run, never after it (ORT's
+    ``session.force_spinning_stop``); None (auto) means on. Off, every parallel operator wakes the threads
+    again (docs/configuration.md)."""
     graph_optimization: str = "all"
     """ONNX Runtime graph optimisation level: one of disable, basic, extended, layout, all."""
     cache_dir: str = field(default_factory=_default_cache_dir)
@@ -90,9 +92,7 @@ class Config:
     @property
     def spinning(self) -> bool:
         """The effective spinning setting."""
-        if self.allow_spinning is not None:
-            return self.allow_spinning
-        return self.intra_op_threads == 1
+        return self.allow_spinning is not False
 
     def with_overrides(self, **overrides: Any) -> "Config":
         """A copy with some fields replaced (values are validated); None values are ignored."""

@@ -13,13 +13,22 @@ def test_defaults(tmp_path):
     c = load_config(env={}, cwd=tmp_path)
     assert c.providers == ("cpu",)
     assert c.strict is False and c.graph_optimization == "all" and c.cache is True
-    assert c.spinning is False  # threads 0 (ORT picks, usually > 1): spinning off
+    assert c.spinning is True  # auto: threads spin within a run, never after it
 
 
-def test_spinning_default_follows_threads():
+def test_spinning_is_on_unless_turned_off_and_never_outlives_a_run():
+    import onnxruntime as ort
+
+    from rlxrt.backends import session_options
+
     assert Config(intra_op_threads=1).spinning is True
-    assert Config(intra_op_threads=4).spinning is False
-    assert Config(intra_op_threads=4, allow_spinning=True).spinning is True
+    assert Config(intra_op_threads=4).spinning is True
+    assert Config(intra_op_threads=4, allow_spinning="auto").spinning is True
+    assert Config(intra_op_threads=4, allow_spinning=False).spinning is False
+    for config, spin in ((Config(intra_op_threads=2), "1"), (Config(intra_op_threads=2, allow_spinning=False), "0")):
+        opts = session_options(ort, config)
+        assert opts.get_session_config_entry("session.intra_op.allow_spinning") == spin
+        assert opts.get_session_config_entry("session.force_spinning_stop") == "1"
 
 
 def test_precedence_args_over_env_over_file_over_defaults(tmp_path):
