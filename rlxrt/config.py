@@ -61,8 +61,8 @@ class Config:
     """Threads across independent operators; 0 lets ONNX Runtime choose; at most 256."""
     allow_spinning: bool | None = None
     """Let intra-op threads spin between the parallel parts of a run, never after it (ORT's
-    ``session.force_spinning_stop``); None (auto) means on. Off, every parallel operator wakes the threads
-    again (docs/configuration.md)."""
+    ``session.force_spinning_stop``). None (auto): on for one thread and for a Batch's steps, off for other
+    sessions of several threads, which may run beside each other (docs/configuration.md)."""
     graph_optimization: str = "all"
     """ONNX Runtime graph optimisation level: one of disable, basic, extended, layout, all."""
     cache_dir: str = field(default_factory=_default_cache_dir)
@@ -92,7 +92,9 @@ class Config:
     @property
     def spinning(self) -> bool:
         """The effective spinning setting."""
-        return self.allow_spinning is not False
+        if self.allow_spinning is not None:
+            return self.allow_spinning
+        return self.intra_op_threads == 1
 
     def with_overrides(self, **overrides: Any) -> "Config":
         """A copy with some fields replaced (values are validated); None values are ignored."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rlxrt.backends import CompiledGraph, compile
-from rlxrt.config import Config
+from rlxrt.config import Config, load_config
 from rlxrt.checks import as_int
 from rlxrt.errors import GenerationError
 from rlxrt.limits import K_MAX
@@ -65,6 +65,13 @@ ACCEPTANCE_DRIFT = 0.06
 prior (half-way in about 35 such rounds), so a sequence whose drafts stopped paying is tried again."""
 
 
+def steps_config(config: Config | None) -> Config:
+    """A batch's config: its steps run one at a time on every core, so its threads spin within a run unless
+    ``allow_spinning`` says otherwise (docs/configuration.md, "Spinning")."""
+    config = config if config is not None else load_config()
+    return config if config.allow_spinning is not None else config.with_overrides(allow_spinning=True)
+
+
 class Batch:
     """One batched graph and the slots of its KV buffers (see the module's text)."""
 
@@ -74,7 +81,8 @@ class Batch:
 
         graph = target if isinstance(target, CompiledGraph) and target.batched else \
             compile(target.path.parent if isinstance(target, CompiledGraph) else target,
-                    target.config if isinstance(target, CompiledGraph) and config is None else config, batched=True)
+                    steps_config(target.config if isinstance(target, CompiledGraph) and config is None else config),
+                    batched=True)
         self.graph, m = graph, graph.manifest
         self.slots = as_int(slots, "slots", 1, 1024)
         self.chunk = as_int(chunk, "chunk", 1, 1 << 16)

@@ -13,22 +13,37 @@ def test_defaults(tmp_path):
     c = load_config(env={}, cwd=tmp_path)
     assert c.providers == ("cpu",)
     assert c.strict is False and c.graph_optimization == "all" and c.cache is True
-    assert c.spinning is True  # auto: threads spin within a run, never after it
+    assert c.spinning is False  # threads 0 (ORT picks, usually > 1): sessions that may run side by side
 
 
-def test_spinning_is_on_unless_turned_off_and_never_outlives_a_run():
+def test_spinning_follows_threads_and_never_outlives_a_run():
     import onnxruntime as ort
 
     from rlxrt.backends import session_options
 
     assert Config(intra_op_threads=1).spinning is True
-    assert Config(intra_op_threads=4).spinning is True
-    assert Config(intra_op_threads=4, allow_spinning="auto").spinning is True
-    assert Config(intra_op_threads=4, allow_spinning=False).spinning is False
-    for config, spin in ((Config(intra_op_threads=2), "1"), (Config(intra_op_threads=2, allow_spinning=False), "0")):
+    assert Config(intra_op_threads=4).spinning is False
+    assert Config(intra_op_threads=4, allow_spinning=True).spinning is True
+    assert Config(intra_op_threads=1, allow_spinning=False).spinning is False
+    for config, spin in ((Config(intra_op_threads=2, allow_spinning=True), "1"), (Config(intra_op_threads=2), "0")):
         opts = session_options(ort, config)
         assert opts.get_session_config_entry("session.intra_op.allow_spinning") == spin
         assert opts.get_session_config_entry("session.force_spinning_stop") == "1"
+
+
+def test_a_batchs_steps_spin_unless_told_not_to():
+    from rlxrt.sessions.batch import steps_config
+
+    assert steps_config(Config(intra_op_threads=2)).spinning is True
+    assert steps_config(Config(intra_op_threads=2, allow_spinning=False)).spinning is False
+    assert steps_config(None).allow_spinning is not None
+    from rlxrt.app.reference import reference_pair
+    from rlxrt.sessions.batch import Batch
+
+    for allow, spin in ((None, "1"), (False, "0")):
+        config = Config(providers=("cpu",), intra_op_threads=2, allow_spinning=allow, cache=False)
+        opts = Batch(reference_pair()[0], config, slots=2, calibrate=False).graph.session.get_session_options()
+        assert opts.get_session_config_entry("session.intra_op.allow_spinning") == spin
 
 
 def test_precedence_args_over_env_over_file_over_defaults(tmp_path):
