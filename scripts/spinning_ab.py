@@ -66,9 +66,9 @@ def main() -> None:
     p.add_argument("--spin", choices=("on", "off"), help=argparse.SUPPRESS)  # one child process's setting
     args = p.parse_args()
     if args.target is None:
-        from rlxrt.exporters.reference.build import ASSETS
+        from rlxrt.app.reference import reference_pair
 
-        args.target = str(ASSETS / "target")
+        args.target = str(reference_pair()[0])
     if args.spin:
         print(json.dumps(measure(args)))
         return

@@ -32,14 +32,12 @@ def test_spinning_follows_threads_and_never_outlives_a_run():
 
 
 def test_a_batchs_steps_spin_unless_told_not_to():
-    from rlxrt.sessions.batch import steps_config
+    from rlxrt.app.reference import reference_pair
+    from rlxrt.sessions.batch import Batch, steps_config
 
     assert steps_config(Config(intra_op_threads=2)).spinning is True
     assert steps_config(Config(intra_op_threads=2, allow_spinning=False)).spinning is False
     assert steps_config(None).allow_spinning is not None
-    from rlxrt.app.reference import reference_pair
-    from rlxrt.sessions.batch import Batch
-
     for allow, spin in ((None, "1"), (False, "0")):
         config = Config(providers=("cpu",), intra_op_threads=2, allow_spinning=allow, cache=False)
         opts = Batch(reference_pair()[0], config, slots=2, calibrate=False).graph.session.get_session_options()
