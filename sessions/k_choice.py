@@ -17,7 +17,10 @@ C(k) is the mean of the rounds that drafted k tokens; a k not seen yet is interp
 ones seen, or extrapolated along the last two (rounds that draft fewer than asked — a request's last
 tokens, a lookup without a match — give the second point), or at 5 % of a round per token from a single one;
 an extrapolated token never costs less than 1 % of a round (a timing blip that makes the longer of two rounds
-look cheaper must not make every k look free, which sent a source that drafts nothing right to k_max).
+look cheaper must not make every k look free, which sent a source that drafts nothing right to k_max). A round
+counts at most ``CLIP`` times what its k was expected to cost: a k's mean moves only when that k is drafted, so
+one slow round (a preempted thread, a pause) counted whole could make a k look dear for good and keep a source
+at a k far below its best; a k that really costs more is still learnt, in a few rounds.
 With several draft sources (a Cascade) each source has its own estimates and its own k. The choice only
 changes how many tokens are drafted, never how they are accepted: output stays exactly the target's.
 """
@@ -29,6 +32,7 @@ PRIOR_FIRST, PRIOR_ROUNDS = 0.5, 2.0  # the first position's prior acceptance, a
 DECAY = 0.99
 SLOPE = 0.05  # the guess for a token more, as a share of the one round length measured, before a second
 MIN_SLOPE = 0.01  # the least an extrapolated token more costs, as a share of the round it extends
+CLIP = 1.25  # the most a round counts, as a share of what its k was expected to cost
 
 
 class KChoice:
@@ -42,6 +46,8 @@ class KChoice:
         self._accepted = [[0.0] * (k_max + 1) for _ in range(sources)]
         self._seconds = [[0.0] * (k_max + 1) for _ in range(sources)]  # decayed sums by drafted tokens
         self._rounds = [[0.0] * (k_max + 1) for _ in range(sources)]
+        self._expected: list[list[float | None]] = [[None] * (k_max + 1) for _ in range(sources)]
+        """Of each source, each k's cost as the last choice saw it (the decay leaves the means as they are)."""
 
     @property
     def k(self) -> int:
@@ -61,7 +67,8 @@ class KChoice:
             if i <= accepted:
                 acc[i] += 1.0
         if drafted <= self.k_max:
-            total[drafted] += seconds
+            expected = self._expected[source][drafted]
+            total[drafted] += seconds if expected is None else min(seconds, CLIP * expected)
             rounds[drafted] += 1.0
         self.ks[source] = self._best(source)
         return self.k
@@ -97,7 +104,7 @@ class KChoice:
         return out
 
     def _best(self, source: int) -> int:
-        costs = self._costs(source)
+        costs = self._expected[source] = self._costs(source)
         reached, acc = self._reached[source], self._accepted[source]
         best_k, best_rate, expected, run, a = self.ks[source], -1.0, 1.0, 1.0, PRIOR_FIRST
         for k in range(1, self.k_max + 1):

@@ -70,3 +70,33 @@ def test_each_source_gets_its_own_k():
         c.observe(c.ks[0], c.ks[0], 10 * MS, source=0)  # always right, flat cost
         c.observe(c.ks[1], 0, (10 + c.ks[1]) * MS, source=1)  # never right, 1 ms a token
     assert c.ks == [8, 1] and c.k == 8
+
+
+def test_one_slow_round_does_not_pin_k():
+    """Every draft accepted, rounds cost 1 ms + 0.05 ms a token; one round at k=8 is slowed three times (a
+    preempted thread, a pause). Counted whole, the first round at k=8 made every k above 2 look dear, and no
+    round at them came to correct it: k stayed at 2 for good; a later one kept it at 7. Counted at most CLIP
+    times what k=8 was expected to cost, k goes back to 8."""
+    cost = lambda k: 1.0 + 0.05 * k  # noqa: E731
+    first = KChoice(2, 8)
+    for _ in range(3):
+        first.observe(2, 2, cost(2) * MS)
+    assert first.ks[0] == 8
+    first.observe(8, 8, 3 * cost(8) * MS)
+    assert feed(first, 20, lambda k: k, cost) == 8
+    later = KChoice(2, 8)
+    assert feed(later, 5, lambda k: k, cost) == 8
+    later.observe(8, 8, 3 * cost(8) * MS)
+    assert feed(later, 20, lambda k: k, cost) == 8
+
+
+def test_a_k_dearer_than_predicted_is_still_learnt():
+    """Seen at k=2 only, k=8 is predicted at 5 % a token; it really costs 1 ms a token more and half of the
+    positions are accepted: the clipped rounds at k=8 still take k back down within a few rounds."""
+    c = KChoice(2, 8)
+    cost = lambda k: 2.0 + 1.0 * k  # noqa: E731
+    half = lambda k: min(k, 1)  # noqa: E731
+    for _ in range(4):
+        c.observe(2, 1, cost(2) * MS)
+    c.observe(8, 1, cost(8) * MS)  # as if the prediction had sent it there
+    assert feed(c, 8, half, cost) <= 2
