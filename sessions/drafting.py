@@ -20,7 +20,7 @@ def check_same_vocabulary(target: Decoder, draft: Decoder) -> None:
             "use a draft trained with the target's tokenizer"
         )
     t_codec, d_codec = codec_for(target.graph), codec_for(draft.graph)
-    if t_codec is not None and d_codec is not None and t_codec.vocab() != d_codec.vocab():
+    if t_codec is not None and d_codec is not None and t_codec is not d_codec and t_codec.vocab() != d_codec.vocab():
         a, b = t_codec.vocab(), d_codec.vocab()
         diff = sorted(set(a.items()) ^ set(b.items()))[:3]
         raise GenerationError(
