@@ -146,6 +146,9 @@ def test_chat_and_streaming(spec, direct):
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == g.text
+    # a round's accepted tokens go as one chunk: fewer text chunks than tokens where drafts were accepted
+    pieces = sum(bool(ch.choices and ch.choices[0].delta.content) for ch in chunks)
+    assert g.stats.accepted > 0 and pieces < len(g.token_ids)
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] in ("stop", "length")
     assert chunks[-1].usage.completion_tokens == len(g.token_ids)
     pieces = [ch.choices[0].text for ch in c.completions.create(model="m", prompt=PROMPTS[1], max_tokens=50,

@@ -92,8 +92,8 @@ class Server:
                       seed=req.seed, stop=req.stop or None, stop_token_ids=extra or None, ignore_eos=req.ignore_eos)
         return Work(ids, kwargs)
 
-    def submit(self, work: Work, deadline: float) -> Job:
-        job = Job(work, asyncio.get_running_loop(), deadline=deadline)
+    def submit(self, work: Work, deadline: float, streaming: bool = True) -> Job:
+        job = Job(work, asyncio.get_running_loop(), deadline=deadline, streaming=streaming)
         try:
             self.pool.submit(job)
         except QueueFull as exc:
@@ -229,7 +229,7 @@ def build_app(server: Server):
                                               deadline)
         except TimeoutError:
             raise _failure("timeout", None) from None
-        job = server.submit(work, deadline)
+        job = server.submit(work, deadline, req.stream)
         watcher = asyncio.create_task(_watch(job, request))
         streaming = False
         try:

@@ -1,7 +1,7 @@
 """A pool of worker threads, each owning one Session, behind a bounded queue.
 
-A request is a ``Job``: the worker runs it round by round and hands its events (``start``, text pieces, the
-final ``Generation`` or an error) to the event loop that waits for them. Between rounds the worker checks
+A request is a ``Job``: the worker runs it round by round and hands its events (``start``, text as it comes,
+the final ``Generation`` or an error) to the event loop that waits for them. Between rounds the worker checks
 whether the client went away (``cancel``) or the request ran past its deadline, so a disconnected or timed-out
 request frees its worker at the next round. Sessions are one per worker (a Session serves one request at a
 time); they share the compiled graphs, which ONNX Runtime runs from several threads at once.
@@ -53,10 +53,36 @@ class Job:
     timed_out: bool = False
     failed: bool = False
     """An exception ended it (reported to the client)."""
+    streaming: bool = True
+    """The client reads the text as it comes; a request answered whole is told only its end (no text events)."""
+    _text: list[str] = field(default_factory=list)
+    _text_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def emit(self, kind: str, value: Any = None) -> None:
+        self._call(self.events.put_nowait, (kind, value))
+
+    def text(self, piece: str) -> None:
+        """Hand a piece of text to the event loop. Pieces that come before the loop took the last ones go as one
+        "text" event: the tokens a speculative round accepted come at once, and go as one SSE chunk and one
+        wake-up of the loop, not one each; under load the loop's lag joins more. Order is kept: every event
+        goes through the loop's queue of callbacks, first in first out."""
+        if not self.streaming:
+            return
+        with self._text_lock:
+            self._text.append(piece)
+            if len(self._text) > 1:  # a hand-over is on its way and takes this piece too
+                return
+        self._call(self._hand_text)
+
+    def _hand_text(self) -> None:
+        with self._text_lock:
+            text = "".join(self._text)
+            self._text.clear()
+        self.events.put_nowait(("text", text))
+
+    def _call(self, fn, *args) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+            self.loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the event loop is gone (shutdown): nobody is waiting any more
             self.cancel.set()
 
@@ -152,7 +178,7 @@ class Pool:
                 if job.first_token is None:
                     job.first_token = time.monotonic()
                 if piece:
-                    job.emit("text", piece)
+                    job.text(piece)
                 if job.cancel.is_set():
                     break
                 if time.monotonic() > job.deadline:
