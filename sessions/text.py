@@ -63,16 +63,16 @@ class TextCodec:
 
 
 CODECS_KEPT = 8
-"""Tokenizer files whose codec ``codec_for`` keeps (the most recently read)."""
+"""Tokenizer files whose codec ``codec_for`` keeps (the last ones read)."""
 _codecs: dict[tuple, TextCodec] = {}
 _codecs_lock = threading.Lock()
 
 
 def codec_for(graph) -> TextCodec | None:
-    """The codec of ``graph``'s model, shared: parsing a tokenizer file takes 0.15 s for SmolLM2's 49k tokens,
-    which every Session (one per concurrent request, or per slot of a server) paid before. Kept by the file's
-    path and its own size and modification time (not a link's target's), so a re-exported or replaced file is
-    read again, through the directory's box (``files.read_model_file``); a codec holds no per-request state."""
+    """The codec of ``graph``'s model, one for every Session of it (docs/design.md, "Threading"): kept by the
+    tokenizer file's path, size, modification time and inode (its own, not a link's target's), so a re-exported
+    or replaced file is read again, through the directory's box (``files.read_model_file``). A codec holds no
+    per-request state, and its tokenizer is only read."""
     m = graph.manifest
     if m is None or not m.tokenizer:
         return None
