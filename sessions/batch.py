@@ -50,6 +50,9 @@ PRIOR_ANSWER = 0.5
 match)."""
 ACCEPTANCE_DECAY = 0.9
 """What a slot's estimates of a source (its acceptance, its chance to answer) keep of the past at each round."""
+POOL_DECAY = 0.98
+"""What the batch's estimates of a source over every slot's rounds keep of the past at each round of any slot:
+a slot's estimates start from them at each request, and drift back to them (``Batch.pool``)."""
 REPLAN_STEPS = 8
 """Steps a plan serves before it is made again (sooner where a slot joins or wants another k): a plan of 8
 sequences takes 0.1-0.2 ms, run by the thread whose hand-in completed the step while the others wait."""
@@ -151,6 +154,10 @@ class Batch:
             self.cost = self._calibrate()
         self._plan: dict[Slot, tuple[list[int], int]] = {}
         """slot -> (the k of each of its sources, the k it wanted when planned)"""
+        self.pooled: dict[str, Acceptance] = {}
+        """Each draft source's acceptance by position over every slot's rounds (``pool``)."""
+        self.answer_rates: dict[str, float] = {}
+        """Each draft source's chance to propose something when asked, over every slot's rounds."""
         self._planned = 0  # the step after which the plan was made
 
     @property
@@ -358,12 +365,21 @@ class Batch:
         """The step cost: seconds of a step of R rows for R in CALIBRATION_ROWS (up to what a step can hold),
         and of CONTEXT_ROWS rows at CONTEXT_TOKENS tokens of context (what a row adds a token of context); after
         a warm-up, the medians of CALIBRATION_REPEATS passes over all of them in turn, measured on slot 0 before
-        any request (what it writes is overwritten by the first prefill)."""
+        any request (what it writes is overwritten by the first prefill). The context it attends to is written
+        first: KV memory never written may not be mapped yet and read as the system's one page of zeros, at no
+        memory traffic; measured that way, a token of context cost SmolLM2 Q4_1 55-65 % of what it costs on
+        written memory (docs/performance.md)."""
         sizes = [(r, 0) for r in CALIBRATION_ROWS if r <= min(self.width, self.capacity)]
         rows = min(CONTEXT_ROWS, self.width)
         context = min(CONTEXT_TOKENS, self.capacity - rows)
         if context > 0 and (rows, 0) in sizes:
             sizes.append((rows, context))
+            self._ids[0, :self.width] = 0
+            for at in range(0, context + rows, self.width):
+                n = min(self.width, context + rows - at)
+                self._seqs[0] = (0, at, n)
+                self._rows[0] = n - 1
+                self._run(n, 1, 1)
         times: dict[tuple[int, int], list[float]] = {size: [] for size in sizes}
         for repeat in range(CALIBRATION_REPEATS + 1):
             for r, past in sizes:
@@ -461,6 +477,14 @@ class Batch:
                 cost.seed(self.draft_costs[min(self.draft_costs, key=lambda known: abs(known - load))])
             self.draft_costs[load] = cost
         return self.draft_costs[load]
+
+    def pool(self, source: str) -> Acceptance:
+        """The batch's acceptance of ``source`` over every slot's rounds: the prior of each slot's own estimate,
+        so a request starts from what the source does here, and a slot whose source has not drafted for a while
+        goes back to that, not to a constant under which a loaded batch may never draft, nor measure, again."""
+        if source not in self.pooled:
+            self.pooled[source] = Acceptance(PRIOR_ACCEPTANCE, POOL_DECAY, 0.0)
+        return self.pooled[source]
 
     def k_for(self, slot: "Slot") -> list[int] | int:
         """The planned k of each of ``slot``'s sources (planned again when it wants another k than the plan
@@ -569,6 +593,9 @@ class Slot(GraphModel):
             self.active = not self.led
             self.batch._changed()
             self._drafted_at = [None] * len(self.sources)
+            for estimate in self.acceptance:  # a new text: its estimates start from the batch's
+                estimate.clear()
+            self.answers = [self.batch.answer_rates.get(name, PRIOR_ANSWER) for name in self.sources]
 
     def idle(self) -> None:
         """The request ended (or, for a draft's slot, its round's drafting did): steps no longer wait for it."""
@@ -637,8 +664,9 @@ class Slot(GraphModel):
         with self.batch._cond:
             self.sources = tuple(names)
             self.batched = tuple(batched) if batched is not None else (False,) * len(names)
-            self.acceptance = [Acceptance(PRIOR_ACCEPTANCE, ACCEPTANCE_DECAY, ACCEPTANCE_DRIFT) for _ in names]
-            self.answers = [PRIOR_ANSWER] * len(names)
+            self.acceptance = [Acceptance(PRIOR_ACCEPTANCE, ACCEPTANCE_DECAY, ACCEPTANCE_DRIFT,
+                                          base=self.batch.pool(name)) for name in names]
+            self.answers = [self.batch.answer_rates.get(name, PRIOR_ANSWER) for name in names]
             self.caps = [0] * len(names)
             self._drafted_at = [None] * len(names)
 
@@ -698,6 +726,7 @@ class Slot(GraphModel):
                 for i, estimate in enumerate(self.acceptance):
                     if i == source:
                         estimate.observe(drafted, accepted)
+                        estimate.base.observe(drafted, accepted)
                     else:
                         estimate.drift()
 
@@ -716,8 +745,13 @@ class Slot(GraphModel):
         asked = self._asked
         self._asked = False
         last = source if drafted > 0 else len(self.answers) if asked else 0
+        rates = self.batch.answer_rates
         for i in range(last):
             if not asked or self.caps[i] > 0:
                 self.answers[i] = ACCEPTANCE_DECAY * self.answers[i]
+                name = self.sources[i]
+                rates[name] = POOL_DECAY * rates.get(name, PRIOR_ANSWER)
         if drafted > 0:
             self.answers[source] = ACCEPTANCE_DECAY * self.answers[source] + (1 - ACCEPTANCE_DECAY)
+            name = self.sources[source]
+            rates[name] = POOL_DECAY * rates.get(name, PRIOR_ANSWER) + (1 - POOL_DECAY)

@@ -144,10 +144,15 @@ class Acceptance:
     a^j, too low, and the plan stops them early. Counts decay by ``decay`` a round of this source and by
     ``drift`` a round of another or none, so an estimate follows the text and a source whose drafts stopped
     paying drifts back to the prior and is tried again; a position has a prior worth ``weight`` rounds at the
-    estimate of the position before it (the first: ``prior``), so a position not reached yet looks like it."""
+    estimate of the position before it (the first: ``prior``), so a position not reached yet looks like it. With a
+    ``base`` (the batch's estimate of the source over every slot's rounds), a position's prior is the base's
+    estimate of that position instead: a new request starts from what the source does in the batch, and an
+    estimate that drifts goes back to that, not to a constant that may be too low for the plan to ever draft
+    (and so to ever measure) again."""
 
-    def __init__(self, prior: float = 0.5, decay: float = 0.9, drift: float = 0.06, weight: float = 1.0):
-        self.prior, self.decay, self.drift_share, self.weight = prior, decay, drift, weight
+    def __init__(self, prior: float = 0.5, decay: float = 0.9, drift: float = 0.06, weight: float = 1.0,
+                 base: "Acceptance | None" = None):
+        self.prior, self.decay, self.drift_share, self.weight, self.base = prior, decay, drift, weight, base
         self._reached: list[float] = []  # position i + 1 drafted with every one before it accepted
         self._accepted: list[float] = []
 
@@ -173,10 +178,18 @@ class Acceptance:
             self._reached[i] *= factor
             self._accepted[i] *= factor
 
+    def clear(self) -> None:
+        """Forget every round (a new request: its text is not the last one's); the prior, or the base, is left."""
+        self._reached.clear()
+        self._accepted.clear()
+
     def values(self, positions: int) -> tuple[float, ...]:
         """a_1 .. a_positions."""
+        base = self.base.values(positions) if self.base is not None else None
         out, a = [], self.prior
         for i in range(positions):
+            if base is not None:
+                a = base[i]
             if i < len(self._reached):
                 a = (self._accepted[i] + a * self.weight) / (self._reached[i] + self.weight)
             out.append(a)

@@ -293,6 +293,55 @@ def test_each_draft_source_of_a_slot_is_planned_from_its_own_acceptance_and_chan
         batch.release(b)
 
 
+def test_a_request_starts_from_what_its_source_does_in_the_batch():
+    """Each slot's acceptance and chance of answering start, at each request, from the batch's estimates over
+    every slot's rounds: a new request of a loaded batch whose source drafts well is planned to draft, where a
+    constant prior of one half would stop it before any round could tell."""
+    from rlxrt.sessions.k_policy import StepCost
+
+    batch = Batch(TARGET, CFG, slots=4, calibrate=False)
+    batch.cost = StepCost({1: 1.0, 4: 1.3, 64: 20.0})  # past four rows, a row costs ~0.31 of a four-row step
+    slots = [batch.slot() for _ in range(4)]
+    try:
+        for s in slots:
+            s.draft_sources(("prompt-lookup",))
+            s.reset()
+            s.k_wanted = 2
+        assert slots[0].acceptance[0].values(2) == (0.5, 0.5) and slots[0].answers == [0.5]
+        with batch._cond:
+            batch._replan()
+        assert [batch._plan[s][0][0] for s in slots] == [0, 0, 0, 0]  # a half does not pay for a row here
+        for _ in range(40):  # the first slot's rounds: it answers, and both drafts are kept
+            slots[0].k_cap(2)
+            slots[0].observe(2, 2, 0)
+        assert batch.pool("prompt-lookup").values(2)[1] > 0.95 and batch.answer_rates["prompt-lookup"] > 0.5
+        for s in slots[1:]:
+            s.reset()  # their next requests
+            assert s.acceptance[0].values(2) == batch.pool("prompt-lookup").values(2)
+            assert s.answers == [batch.answer_rates["prompt-lookup"]]
+        with batch._cond:
+            batch._replan()
+        assert all(batch._plan[s][0][0] > 0 for s in slots[1:])
+    finally:
+        for s in slots:
+            batch.release(s)
+
+
+def test_calibration_times_context_that_was_written():
+    """Memory never written reads as one page of zeros, at no cost: the calibration writes the context its
+    step attends to before timing it."""
+    from rlxrt.sessions import batch as batching
+
+    batch = Batch(TARGET, CFG, slots=2, calibrate=False)
+    for buf in batch._buffers:  # a value no step writes
+        buf.update_inplace(np.full(buf.shape(), 7.0, np.float32))
+    batch._calibrate()
+    written = batching.CONTEXT_TOKENS + batching.CONTEXT_ROWS
+    for buf in batch._buffers:
+        kv = buf.numpy()[0]  # [kv_heads, capacity, head_dim] of slot 0
+        assert (kv[:, :written] != 7.0).all() and (kv[:, written:] == 7.0).all()
+
+
 def test_a_draft_catching_up_takes_all_the_room_a_step_has_left():
     """A draft's slot reads its prompt at its first proposal; its target's batch waits for every draft step,
     so that catch-up goes in one step beside the others' drafts, not in ``chunk``-token pieces."""
@@ -352,7 +401,9 @@ def test_a_forgotten_source_is_tried_by_one_slot_and_only_drafting_slots_hold_up
         for n, s in enumerate(slots):
             s.draft_sources(("draft-model",), (True,))
             s.reset()
-            s.acceptance[0].prior, s.answers[0] = 0.6 + 0.1 * n, 1.0  # a draft model answers whenever asked
+            for _ in range(n + 1):  # the later a slot, the more of its drafts were accepted
+                s.acceptance[0].observe(1, 1)
+            s.answers[0] = 1.0  # a draft model answers whenever asked
             s.k_wanted = 3
         waits = batch.draft_cost(4)
         assert waits is batch.draft_cost(3) and waits is not batch.draft_cost(2)  # one per load, as the guards
@@ -465,9 +516,11 @@ def test_a_round_that_drafts_nothing_takes_no_lock_and_its_drift_is_applied_when
             s.draft_sources(("draft-model",))
         a.reset()
         assert a.k_cap(2) == 2  # alone: its Session's k
-        a.observe(2, 2, 0)  # both kept: a_1 = (1 + 0.5) / (1 + 1) with the prior worth one round
+        a.observe(2, 2, 0)  # both kept: the batch's a_1 = (1 + 0.5) / (1 + 1), the prior worth one round
         b.reset()
-        assert a.acceptance[0].first == pytest.approx(0.75)
+        pool = batch.pool("draft-model").first
+        assert pool == pytest.approx(0.75)
+        assert a.acceptance[0].first == pytest.approx((1 + pool) / 2)  # the slot's prior is the batch's
         batch.guard(2).drafting = False
         threads = [threading.Thread(target=s.forward, args=(np.array([5], np.int64),)) for s in (a, b)]
         for t in threads:
@@ -490,7 +543,7 @@ def test_a_round_that_drafts_nothing_takes_no_lock_and_its_drift_is_applied_when
             assert a.acceptance[0]._reached == [1.0, 1.0]  # counted by the slot, not yet told to its acceptance
             batch._replan()
         kept = 0.94 ** 10
-        assert a.acceptance[0].first == pytest.approx((kept + 0.5) / (kept + 1))
+        assert a.acceptance[0].first == pytest.approx((kept + pool) / (kept + 1))  # drifting back to the batch's
         assert batch.emitted == 3 + 10
         b.idle()  # a slot changed: the next round asks the plan again
         assert batch.drafts_next

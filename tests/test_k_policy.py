@@ -105,6 +105,27 @@ def test_an_acceptance_estimate_starts_from_its_prior_and_drifts_back_to_it():
     assert estimate.first == pytest.approx(0.5, abs=0.01)
 
 
+def test_an_acceptance_with_a_base_starts_from_it_forgets_into_it_and_drifts_back_to_it():
+    """A slot's estimate over the batch's (its base): a new request starts from what the source does in the
+    batch, position by position; its own rounds move it; a new text forgets them; not drafting drifts back to
+    the base, not to a constant."""
+    base = Acceptance(prior=0.5, decay=0.98, drift=0.0)
+    for _ in range(50):
+        base.observe(3, 3)  # the batch's rounds: all three kept
+    assert base.values(3)[0] > 0.95
+    estimate = Acceptance(prior=0.5, decay=0.9, drift=0.06, weight=1.0, base=base)
+    assert estimate.values(3) == base.values(3)
+    for _ in range(30):
+        estimate.observe(3, 0)  # this text: its first draft is rejected every time
+    assert estimate.first < 0.1 and estimate.values(2)[1] == pytest.approx(base.values(2)[1])  # never reached
+    for _ in range(500):
+        estimate.drift()
+    assert estimate.first == pytest.approx(base.first, abs=0.01)
+    estimate.observe(3, 0)
+    estimate.clear()
+    assert estimate.values(3) == base.values(3)
+
+
 def test_expensive_drafts_draft_less():
     cost = StepCost({1: 1.0, 64: 1.5})
     cheap, dear = plan_ks(cost, [Sequence(0.7, 8, 0.0), Sequence(0.7, 8, 0.5)])
