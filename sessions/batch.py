@@ -50,6 +50,8 @@ PRIOR_ANSWER = 0.5
 match)."""
 ACCEPTANCE_DECAY = 0.9
 """What a slot's estimates of a source (its acceptance, its chance to answer) keep of the past at each round."""
+ACCEPTANCE_POSITIONS = 4
+"""The drafted positions ``Batch.report`` shows a source's acceptance at."""
 POOL_DECAY = 0.98
 """What the batch's estimates of a source over every slot's rounds keep of the past at each round of any slot:
 a slot's estimates start from them at each request, and drift back to them (``Batch.pool``)."""
@@ -430,7 +432,9 @@ class Batch:
         """What the batch has measured and decided so far, for an operator (the server's ``/health``): its steps,
         the sequences a step held on average, what its steps take over the calibrated cost, and per load
         (sequences a step): the gap between steps with nothing drafted, what a drafted token of each source adds
-        to it, and whether its guard drafts (where a Session on the batch has a speculator)."""
+        to it, and whether its guard drafts (where a Session on the batch has a speculator); and of each source,
+        over every slot's rounds: the chance it proposes something when asked, and its acceptance by drafted
+        position."""
         with self._cond:
             guards = {load_label(load): "drafting" if g.drafting else "plain"
                       for load, g in sorted(self.guards.items())} if any(s.sources for s in self._all) else {}
@@ -441,7 +445,10 @@ class Batch:
                     "gap_ms": {load_label(load): round(c.overhead * 1e3, 3) for load, c in costs if c.plain},
                     "draft_token_ms": {load_label(load): {n: round(c.per_token(n) * 1e3, 3) for n in c.drafting}
                                        for load, c in costs if c.drafting},
-                    "guards": guards}
+                    "guards": guards,
+                    "answers": {n: round(self.answer_rates.get(n, PRIOR_ANSWER), 3) for n in sorted(self.pooled)},
+                    "acceptance": {n: [round(a, 3) for a in pool.values(ACCEPTANCE_POSITIONS)]
+                                   for n, pool in sorted(self.pooled.items())}}
 
     @property
     def emitted(self) -> int:

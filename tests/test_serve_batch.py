@@ -64,8 +64,10 @@ def test_64_concurrent_mixed_requests_equal_each_alone(speculator, draft):
             assert {n for costs in report["draft_token_ms"].values() for n in costs} <= {"prompt-lookup",
                                                                                         "draft-model"}
             assert report["guards"]
+            assert set(report["acceptance"]) == set(report["answers"]) and report["acceptance"]
+            assert all(len(a) == 4 and all(0 <= x <= 1 for x in a) for a in report["acceptance"].values())
         else:  # nothing drafts: no guard has anything to decide
-            assert report["guards"] == {} and report["draft_token_ms"] == {}
+            assert report["guards"] == {} and report["draft_token_ms"] == {} and report["acceptance"] == {}
         plain = Session(TARGET, None, Config(intra_op_threads=1, cache=False, cpu_kernels="ort"))
         for (prompt, n, temperature, _, _), text in list(zip(requests, alone))[1:12:3]:  # greedy ones
             assert temperature == 0.0
