@@ -294,8 +294,9 @@ class Batch:
             s.fed += count
             if last:
                 s.deliver(self._logits[0, r0:r0 + want])
-                for draft in s.leads if arm and self._leads_draft(s) else ():  # the drafts' steps wait for it
-                    draft.arm()
+                if s.leads and arm and self._leads_draft(s):  # the drafts' steps wait for it
+                    for draft in s.leads:
+                        draft.arm()
                 s.pending, s.fresh = None, False
         self._ended = time.perf_counter()
         self._cond.notify_all()

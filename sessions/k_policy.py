@@ -291,7 +291,10 @@ class DraftCost:
         tokens = sum(t for t, _ in parts.values())
         for name, (t, seconds) in parts.items():
             share = seconds / own if own > 0 else t / tokens
-            self.drafting.setdefault(name, deque(maxlen=self.window)).append(grown * share / t)
+            seen = self.drafting.get(name)
+            if seen is None:
+                seen = self.drafting[name] = deque(maxlen=self.window)
+            seen.append(grown * share / t)
             self.forgotten.discard(name)
 
     def seed(self, other: "DraftCost") -> None:
