@@ -405,17 +405,20 @@ class Batch:
 
     def _replan(self) -> None:
         """Every drafting slot's k of each source for its next round (``k_policy.plan_ks``), from the step cost,
-        each source's acceptance, chance and measured cost. A source whose cost was forgotten is planned for one
-        slot only, the one that accepts its drafts most, until measured again: a try then costs one sequence's
-        drafts, not every sequence drafting as if it cost nothing."""
+        each source's acceptance, chance and measured cost. A source whose cost this load has not measured (never,
+        or not since it was forgotten) is tried by one slot, the one that accepts its drafts most, until it is
+        measured: that slot drafts its k from it whatever the plan says, and the others none. A try costs one
+        sequence's drafts, not every sequence drafting as if it cost nothing; and it is drafted even where the
+        estimates say it does not pay, since an estimate no round can correct (a batch under load, where a
+        source's last rounds went badly) would otherwise stop it for good."""
         active = [s for s in self._all if s.active]
         for s in active:
             s._settle()
         waits = self.draft_cost(len(active))
-        trying: dict[str, tuple[Slot, float]] = {}  # a forgotten source -> the slot that tries it
+        trying: dict[str, tuple[Slot, float]] = {}  # a source not measured at this load -> the slot that tries it
         for s in active:
             for name, acceptance in zip(s.sources, s.acceptance):
-                first = acceptance.first if name in waits.forgotten else -1.0
+                first = acceptance.first if name not in waits.drafting and s.k_wanted else -1.0
                 if first > trying.get(name, (s, -1.0))[1]:
                     trying[name] = (s, first)
         sequences = [Sequence(a.values(s.k_wanted), s.k_wanted if name not in trying or trying[name][0] is s else 0,
@@ -426,7 +429,11 @@ class Batch:
                        context=sum(s.length for s in active) / max(len(active), 1))
         self._plan, at = {}, 0
         for s in active:
-            s.planned = self._plan[s] = (plan[at:at + len(s.sources)], s.k_wanted)
+            ks = plan[at:at + len(s.sources)]
+            for i, name in enumerate(s.sources):
+                if name in trying and trying[name][0] is s:
+                    ks[i] = s.k_wanted
+            s.planned = self._plan[s] = (ks, s.k_wanted)
             at += len(s.sources)
 
     def report(self) -> dict:

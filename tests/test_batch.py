@@ -308,6 +308,9 @@ def test_a_request_starts_from_what_its_source_does_in_the_batch():
             s.reset()
             s.k_wanted = 2
         assert slots[0].acceptance[0].values(2) == (0.5, 0.5) and slots[0].answers == [0.5]
+        waits = batch.draft_cost(4)  # lookup's cost measured at this load (nearly nothing): no slot tries it
+        waits.observe(0.001)
+        waits.observe(0.001, {"prompt-lookup": (2, 0.00001)})
         with batch._cond:
             batch._replan()
         assert [batch._plan[s][0][0] for s in slots] == [0, 0, 0, 0]  # a half does not pay for a row here
@@ -409,9 +412,12 @@ def test_a_forgotten_source_is_tried_by_one_slot_and_only_drafting_slots_hold_up
         assert waits is batch.draft_cost(3) and waits is not batch.draft_cost(2)  # one per load, as the guards
         with batch._cond:
             batch._replan()
-        assert all(batch._plan[s][0][0] > 0 for s in slots)  # never measured: every slot drafts, and tells
+        assert [batch._plan[s][0][0] for s in slots] == [0, 0, 0, 3]  # never measured here: one slot tries it
         waits.observe(0.1)
         waits.observe(0.13, {"draft-model": (3, 0.01)})  # measured: 0.01 s a drafted token
+        with batch._cond:
+            batch._replan()
+        assert all(batch._plan[s][0][0] > 0 for s in slots)  # rows almost free: every slot drafts
         assert batch.draft_cost(8).per_token("draft-model") == pytest.approx(0.01)  # a new load starts from it
         for _ in range(waits.stale):
             waits.observe(0.1)
@@ -420,6 +426,11 @@ def test_a_forgotten_source_is_tried_by_one_slot_and_only_drafting_slots_hold_up
             batch._replan()
         assert [batch._plan[s][0][0] for s in slots] == [0, 0, 0, 3]  # the best-accepting slot tries it
         assert [batch._leads_draft(s) for s in slots] == [False, False, False, True]
+        batch.cost = StepCost({1: 1.0, 64: 64.0})  # a row costs a whole step: nothing pays, but a try is a try
+        with batch._cond:
+            batch._replan()
+        assert [batch._plan[s][0][0] for s in slots] == [0, 0, 0, 3]
+        batch.cost = StepCost({1: 1.0, 64: 1.1})
         waits.observe(0.13, {"draft-model": (3, 0.01)})
         with batch._cond:
             batch._replan()
@@ -566,6 +577,9 @@ def test_a_planned_round_reads_its_k_without_the_lock_until_it_wants_another():
         for s in (a, b):
             s.draft_sources(("draft-model",))
             s.reset()
+        waits = batch.draft_cost(2)  # the draft's cost measured at this load: no slot is trying it
+        waits.observe(0.001)
+        waits.observe(0.0011, {"draft-model": (2, 0.0001)})
         assert a.k_cap(2) == 2 and b.k_cap(2) == 2  # planned under the lock
         threads = [threading.Thread(target=s.forward, args=(np.array([5], np.int64),)) for s in (a, b)]
         for t in threads:
