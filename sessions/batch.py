@@ -438,7 +438,8 @@ class Batch:
 
     def report(self) -> dict:
         """What the batch has measured and decided so far, for an operator (the server's ``/health``): its steps,
-        the sequences a step held on average, what its steps take over the calibrated cost, and per load
+        the sequences a step held on average, how much faster (scale) or slower (offset) its steps run than the
+        calibrated cost, and per load
         (sequences a step): the gap between steps with nothing drafted, what a drafted token of each source adds
         to it, and whether its guard drafts (where a Session on the batch has a speculator); and of each source,
         over every slot's rounds: the chance it proposes something when asked, and its acceptance by drafted
@@ -450,6 +451,7 @@ class Batch:
             return {"slots": self.slots, "active": self._active_count(), "steps": self.steps,
                     "sequences_per_step": round(self.calls / self.steps, 2) if self.steps else 0.0,
                     "step_scale": round(self.cost.scale, 3),
+                    "step_offset_ms": round(self.cost.offset * 1e3, 3),
                     "gap_ms": {load_label(load): round(c.overhead * 1e3, 3) for load, c in costs if c.plain},
                     "draft_token_ms": {load_label(load): {n: round(c.per_token(n) * 1e3, 3) for n in c.drafting}
                                        for load, c in costs if c.drafting},

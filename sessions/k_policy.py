@@ -44,8 +44,13 @@ class StepCost:
     """t(R, c), seconds of a batched step of R rows whose sequences hold c tokens each on average: a shape
     measured once on one sequence with no context (piecewise linear through measured points, extended along the
     last two beyond them) and what each row adds a token of context it attends to (``per_row_context``, measured
-    once too), times a scale every step refines: what start-up measured on a machine busy with something else
-    (another server starting) or what the shape leaves out (each sequence's own share of a step).
+    once too), corrected by what every step measures: a ``scale`` below 1 where steps run faster than the model
+    (start-up measured on a machine busy with something else: another server starting, which slows every row
+    alike), and an ``offset`` where they run slower (what the shape leaves out: each sequence's own share of a
+    step, the interpreter's threads between and around steps, which a row more does not add to). Measured on
+    SmolLM2 Q4_1 at 4 sequences, live steps took 1.75 times the model at 4 rows but each row more only 1.2-1.45
+    times the model's slope, so a scale alone priced a drafted row ~45 % too dear and the plan drafted less than
+    pays (docs/performance.md, stop 51).
 
     Each row attends to its sequence's context, so a drafted row costs the shape's slope and its context: on
     the shipped target at 256 tokens of context, that adds about 75 % to the slope; on SmolLM2, 1.8 us a row
@@ -60,7 +65,9 @@ class StepCost:
             self.seconds[i] = max(self.seconds[i], self.seconds[i - 1])
         self.per_row_context = max(float(per_row_context), 0.0)
         self.scale = 1.0
-        """Measured steps' seconds over the model's (a running mean)."""
+        """Measured steps' seconds over the model's where below 1 (a running mean; steps slower count as 1)."""
+        self.offset = 0.0
+        """Seconds measured steps took beyond the model's (a running mean; steps faster count as 0)."""
 
     def shape(self, rows: float) -> float:
         r, t = self.rows, self.seconds
@@ -74,12 +81,14 @@ class StepCost:
         return max(t[0] if rows < r[0] else t[lo] + slope * (rows - r[lo]), 1e-9)
 
     def __call__(self, rows: float, context: float = 0.0) -> float:
-        return self.scale * (self.shape(rows) + self.per_row_context * rows * context)
+        return self.scale * (self.shape(rows) + self.per_row_context * rows * context) + self.offset
 
     def observe(self, rows: int, seconds: float, context: float = 0.0) -> None:
-        """Refine the scale with a step of ``rows`` at ``context`` tokens a sequence that took ``seconds``."""
+        """Refine the scale and the offset with a step of ``rows`` at ``context`` tokens a sequence that took
+        ``seconds``."""
         model = self.shape(rows) + self.per_row_context * rows * context
-        self.scale = DECAY * self.scale + (1 - DECAY) * seconds / model
+        self.scale = DECAY * self.scale + (1 - DECAY) * min(seconds / model, 1.0)
+        self.offset = DECAY * self.offset + (1 - DECAY) * max(seconds - model, 0.0)
 
 
 @dataclass

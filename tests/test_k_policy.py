@@ -26,14 +26,31 @@ def test_step_cost_interpolates_extends_and_learns():
     assert cost(4) == pytest.approx(2.0 + 3 / 7)
     assert cost(32) == pytest.approx(9.0)  # along the last segment
     assert cost(0) == 2.0
-    cost.observe(8, 6.0)  # a step took twice the model's time (start-up measured a busy machine, say)
-    assert cost.scale == pytest.approx(1.1)
-    assert cost(8) == pytest.approx(3.3) and cost(16) == pytest.approx(5.5) and cost(1) == pytest.approx(2.2)
+    cost.observe(8, 6.0)  # a step took 3 s more than the model's (what the shape leaves out)
+    assert cost.scale == 1.0 and cost.offset == pytest.approx(0.3)
+    assert cost(8) == pytest.approx(3.3) and cost(16) == pytest.approx(5.3) and cost(1) == pytest.approx(2.3)
     for _ in range(100):
         cost.observe(8, 6.0)
-    assert cost(16) == pytest.approx(10.0, rel=1e-3)  # every row count read at the measured scale
+    assert cost(16) == pytest.approx(8.0, rel=1e-3)  # a row more costs what the shape says, the step 3 s more
+    for _ in range(200):
+        cost.observe(8, 1.5)  # half the model's time (start-up measured a busy machine, say)
+    assert cost.offset == pytest.approx(0.0, abs=1e-6)
+    assert cost(16) == pytest.approx(2.5, rel=1e-3)  # every row count read at the measured scale
     with pytest.raises(ValueError):
         StepCost({})
+
+
+def test_what_steps_take_beyond_the_model_does_not_make_a_row_dearer():
+    """Steps that take twice the model's time at the rows they run, through what the shape leaves out, keep a
+    drafted row at the shape's slope: 0.3 a row pays here, where the same level read as a scale of every row
+    (twice the slope) would not."""
+    cost = StepCost({1: 1.0, 4: 1.2, 16: 2.4})
+    for _ in range(200):
+        cost.observe(4, 2.4)
+    assert cost(4) == pytest.approx(2.4) and cost(8) - cost(4) == pytest.approx(0.4)
+    assert plan_ks(cost, [Sequence(0.3, 2)] * 4) == [1] * 4
+    scaled = StepCost({1: 2.0, 4: 2.4, 16: 4.8})  # the same steps, every row twice as dear
+    assert plan_ks(scaled, [Sequence(0.3, 2)] * 4) == [0] * 4
 
 
 def test_step_cost_counts_the_context_each_row_attends_to():
@@ -43,8 +60,11 @@ def test_step_cost_counts_the_context_each_row_attends_to():
     assert cost(8, 0) == pytest.approx(1.2)
     assert cost(16, 100) - cost(8, 100) == pytest.approx(0.8 + 8 * 0.1)
     cost.observe(8, 2.0 * 1.5, context=100)  # 1.5 times the model at 8 rows and 100 tokens
-    assert cost.scale == pytest.approx(1.05)
-    assert cost(16, 100) - cost(8, 100) == pytest.approx(1.05 * 1.6)
+    assert cost.offset == pytest.approx(0.1)
+    assert cost(16, 100) - cost(8, 100) == pytest.approx(1.6)  # the rows' cost as modelled, context and all
+    cost.observe(8, 2.0 * 0.5, context=100)
+    assert cost.scale == pytest.approx(0.95)
+    assert cost(16, 100) - cost(8, 100) == pytest.approx(0.95 * 1.6)
     assert StepCost({1: 1.0}, per_row_context=-1.0).per_row_context == 0.0  # timing noise never makes rows cheaper
 
 
