@@ -370,8 +370,7 @@ class Batch:
         a warm-up, the medians of CALIBRATION_REPEATS passes over all of them in turn, measured on slot 0 before
         any request (what it writes is overwritten by the first prefill). The context it attends to is written
         first: KV memory never written may not be mapped yet and read as the system's one page of zeros, at no
-        memory traffic; measured that way, a token of context cost SmolLM2 Q4_1 55-65 % of what it costs on
-        written memory (docs/performance.md)."""
+        memory traffic, and so cost less than context does (docs/performance.md, stop 51)."""
         sizes = [(r, 0) for r in CALIBRATION_ROWS if r <= min(self.width, self.capacity)]
         rows = min(CONTEXT_ROWS, self.width)
         context = min(CONTEXT_TOKENS, self.capacity - rows)
@@ -439,11 +438,10 @@ class Batch:
     def report(self) -> dict:
         """What the batch has measured and decided so far, for an operator (the server's ``/health``): its steps,
         the sequences a step held on average, how much faster (scale) or slower (offset) its steps run than the
-        calibrated cost, and per load
-        (sequences a step): the gap between steps with nothing drafted, what a drafted token of each source adds
-        to it, and whether its guard drafts (where a Session on the batch has a speculator); and of each source,
-        over every slot's rounds: the chance it proposes something when asked, and its acceptance by drafted
-        position."""
+        calibrated cost, and per load (sequences a step): the gap between steps with nothing drafted, what a
+        drafted token of each source adds to it, and whether its guard drafts (where a Session on the batch has
+        a speculator); and of each source, over every slot's rounds: the chance it proposes something when
+        asked, and its acceptance by drafted position."""
         with self._cond:
             guards = {load_label(load): "drafting" if g.drafting else "plain"
                       for load, g in sorted(self.guards.items())} if any(s.sources for s in self._all) else {}

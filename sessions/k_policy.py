@@ -47,10 +47,9 @@ class StepCost:
     once too), corrected by what every step measures: a ``scale`` below 1 where steps run faster than the model
     (start-up measured on a machine busy with something else: another server starting, which slows every row
     alike), and an ``offset`` where they run slower (what the shape leaves out: each sequence's own share of a
-    step, the interpreter's threads between and around steps, which a row more does not add to). Measured on
-    SmolLM2 Q4_1 at 4 sequences, live steps took 1.75 times the model at 4 rows but each row more only 1.2-1.45
-    times the model's slope, so a scale alone priced a drafted row ~45 % too dear and the plan drafted less than
-    pays (docs/performance.md, stop 51).
+    step, the interpreter's threads between and around steps, which a row more does not add to): a scale alone
+    read what slows a live step as a dearer row, and the plan drafted less than pays (docs/design.md, "Why the
+    context and the scale").
 
     Each row attends to its sequence's context, so a drafted row costs the shape's slope and its context: on
     the shipped target at 256 tokens of context, that adds about 75 % to the slope; on SmolLM2, 1.8 us a row
