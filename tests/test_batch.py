@@ -331,7 +331,7 @@ def test_a_request_starts_from_what_its_source_does_in_the_batch():
 
 
 def test_calibration_times_context_that_was_written():
-    """Memory never written reads as one page of zeros, at no cost: the calibration writes the context its
+    """Memory never written can read as one page of zeros, at no cost: the calibration writes the context its
     step attends to before timing it."""
     from rlxrt.sessions import batch as batching
 
