@@ -287,6 +287,7 @@ class Batch:
             if error is not None:
                 s.pending, s.error = None, error if isinstance(error, GenerationError) else GenerationError(
                     f"the batched step failed: {error}")
+                s.chain_left = 0
                 continue
             if self._hidden is not None:
                 s.keep_hidden(self._hidden[0, start:start + count], s.fed, len(s.pending))
@@ -294,6 +295,8 @@ class Batch:
             s.fed += count
             if last:
                 s.deliver(self._logits[0, r0:r0 + want])
+                if s.chain_left and s.chain_next():  # its next drafted token goes in the next step
+                    continue
                 if s.leads and arm and self._leads_draft(s):  # the drafts' steps wait for it
                     for draft in s.leads:
                         draft.arm()
@@ -596,6 +599,11 @@ class Slot(GraphModel):
         self._hidden_buf: np.ndarray | None = None
         self._out: np.ndarray = self._logits[:0]
         self.length = 0
+        self.chain_left = 0
+        """Drafted tokens its chain has still to run (``chain``)."""
+        self._chain = np.zeros(K_MAX, np.int64)
+        self._chained = 0
+        self._next = np.zeros(1, np.int64)
 
     def fetch_hidden(self) -> int:
         width = self.batch.fetch_hidden()
@@ -668,6 +676,39 @@ class Slot(GraphModel):
         self.batch.submit(self, np.asarray(tokens, np.int64), n)
         self.run_seconds += time.perf_counter() - t0
         return self._out
+
+    def chain(self, tokens, k: int) -> np.ndarray:
+        """Greedy drafts without leaving the batch's steps: feed ``tokens``, then k - 1 times the argmax of the
+        last row fed, each in the step after; the k argmax ids (valid until its next call). The steps run on
+        without waking this slot's thread between them, so they wait for no sequence's Python; a draft's slot
+        stops pacing its batch's steps at its chain's end."""
+        k = as_int(k, "k (tokens a chain drafts)", 1, K_MAX)
+        check_room(self.length + len(tokens) + k - 1, self.max_positions)
+        self._chained, self.chain_left = 0, k
+        try:
+            self.forward(tokens, rows=1)
+        finally:
+            self.chain_left = 0
+        return self._chain[:self._chained]
+
+    def chain_next(self) -> bool:
+        """A chain's step is over (called under the batch's lock): keep the argmax of its last row; True where
+        the chain goes on, its next token then pending."""
+        x = int(self._out[-1].argmax())
+        if self.vocab_ids is not None:
+            x = int(self.vocab_ids[x])
+        self._chain[self._chained] = x
+        self._chained += 1
+        self.chain_left -= 1
+        if self.chain_left:
+            self._next[0] = x
+            self.pending, self.fed, self.want, self.fresh = self._next, 0, 1, False
+            self.since = time.perf_counter()
+            return True
+        if self.led:  # its round's drafting is done: the others' chains need not wait for it
+            self.active = False
+            self.batch._changed()
+        return False
 
     def commit(self, length: int) -> None:
         self.length = min(self.length, length)

@@ -65,6 +65,8 @@ class DraftModel(ModelSpeculator):
         k = min(k, ctx.room(m.max_positions))
         if k <= 0:
             return DraftProposal(np.zeros(0, np.int64))
+        if m.shared and ctx.params.greedy and not self.min_prob:  # the whole chain in the batch's steps
+            return DraftProposal(m.chain(ctx.unread(m.length), k))
         if m.greedy_ids and ctx.params.greedy and not self.min_prob:  # argmax ids from the draft's greedy head
             return self.chain_ids(m.forward_ids(ctx.unread(m.length), rows=1)[-1], k, lambda x: m.forward_ids((x,))[0])
         return self.chain(m.forward(ctx.unread(m.length), rows=1)[-1], k, ctx, lambda x: m.forward((x,))[0])

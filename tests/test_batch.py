@@ -156,6 +156,45 @@ def test_drafts_on_a_draft_batch_step_together_and_equal_their_lone_runs():
     assert drafts.calls > drafts.steps > 0
 
 
+def test_a_chain_runs_its_drafts_in_consecutive_steps_and_equals_the_token_by_token_chain():
+    """``Slot.chain``: each slot's greedy chain (k of its own) runs in the batch's steps without its thread
+    handing in between them, as many steps as the longest chain; its tokens are the argmax chain fed one token a
+    call, its length counts every token fed, and a draft's slot stops pacing the steps at its chain's end."""
+    lone = FusedKVModel(compile(DRAFT, CFG))
+    drafts = Batch(DRAFT, CFG, slots=3, calibrate=False, gather_seconds=30.0)
+    target = Batch(TARGET, CFG, slots=1, calibrate=False)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, lone.vocab_size, n) for n in (9, 17, 5)]
+    ks = (1, 3, 4)
+    expected = []
+    for prompt, k in zip(prompts, ks):
+        lone.reset()
+        x, chain = int(lone.forward(prompt, rows=1)[-1].argmax()), []
+        for _ in range(k):
+            chain.append(x)
+            x = int(lone.forward(np.array([x]))[-1].argmax())
+        expected.append(chain)
+    slots = [drafts.slot() for _ in ks]
+    lead = target.slot()
+    for s in slots:
+        lead.lead(s)
+        s.reset()
+        s.arm()
+    got: dict[int, list[int]] = {}
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, slots[i].chain(prompts[i], ks[i]).tolist()))
+               for i in range(len(ks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert [got[i] for i in range(len(ks))] == expected
+    assert drafts.steps == max(ks) and drafts.calls == sum(ks)
+    assert [s.length for s in slots] == [len(p) + k - 1 for p, k in zip(prompts, ks)]
+    assert not any(s.active for s in slots)
+    with pytest.raises(GenerationError, match="k .tokens a chain drafts."):
+        slots[0].chain(prompts[0], 0)
+
+
 def test_a_draft_reads_its_prompt_only_when_it_first_drafts():
     """A request that never drafts (here: one token, so no round has room for a draft) costs the draft's batch
     no step; the next request's first proposal reads its whole prompt, and its output is the lone run's."""
