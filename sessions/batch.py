@@ -231,6 +231,7 @@ class Batch:
         """Run one step over every slot that handed in tokens (called with the lock held; released while
         ONNX Runtime runs)."""
         taking = [s for s in self._all if s.pending is not None]
+        own = not all(s.led for s in taking)  # requests' rounds, not only drafts for another batch's (no plan)
         start = time.perf_counter()
         gap = start - self._ended if self._ended is not None else None
         rounds = not any(s.fresh for s in taking)  # every slot past its prompt: the step holds rounds alone
@@ -239,11 +240,13 @@ class Batch:
         caught_up = any(len(s.pending) > 1 and not s.drafted_last for s in taking)  # its first drafts in a while
         for s in taking:
             s.drafted_last = not s.fresh and len(s.pending) > 1
-        load = self._active_count()
-        guard, waits = self.guard(load), self.draft_cost(load)
-        drafting = guard.drafting  # the mode the slots planned this step's rounds in
+        if own:
+            load = self._active_count()
+            guard, waits = self.guard(load), self.draft_cost(load)
+            drafting = guard.drafting  # the mode the slots planned this step's rounds in
         t, r, parts = 0, 0, []
-        chunk = self._chunk(taking)
+        longest = max(len(s.pending) - s.fed for s in taking)
+        chunk = self.chunk if longest <= self.chunk else self._chunk(taking)  # a chunk's size matters to prompts
         for n, s in enumerate(taking):
             left = len(s.pending) - s.fed  # a prompt goes in chunks; the last holds every row wanted
             count = left if left <= max(chunk, s.want) else min(chunk, left - s.want)
@@ -267,6 +270,7 @@ class Batch:
         if error is None:
             self.steps += 1
             self.calls += len(parts)
+        if error is None and own:
             if rounds:  # the plan is for rounds, not for prompts' chunks
                 self.cost.observe(t, seconds, sum(s.length for s in taking) / len(taking))
             self._account(clean and gap is not None, guard, waits, drafting, drafted, gap or 0.0, seconds,
@@ -275,9 +279,9 @@ class Batch:
                 for s in taking:
                     s._gap = self._gap if len(s.pending) > 1 else None
         active = self._active_count()
-        arm = active <= 1 or self.guard(active).drafting  # else no Session drafts next round
+        arm = active <= 1 or not own or self.guard(active).drafting  # else no Session drafts next round
         self.drafts_next, self.planned_next = arm, False
-        if error is None and len(parts) > 1:  # a lone sequence drafts as its Session would (k_for)
+        if error is None and own and len(parts) > 1:  # a lone sequence drafts as its Session would (k_for)
             if not arm:  # nobody drafts next round: planned again when the guard drafts (k_for)
                 self._plan = {}
             elif self.steps - self._planned >= REPLAN_STEPS or not self._plan:
@@ -294,8 +298,9 @@ class Batch:
             s.length += count
             s.fed += count
             if last:
-                s.deliver(self._logits[0, r0:r0 + want])
-                if s.chain_left and s.chain_next():  # its next drafted token goes in the next step
+                if not s.chain_left:
+                    s.deliver(self._logits[0, r0:r0 + want])
+                elif s.chain_next(self._logits[0, r0 + want - 1]):  # its next drafted token goes in the next step
                     continue
                 if s.leads and arm and self._leads_draft(s):  # the drafts' steps wait for it
                     for draft in s.leads:
@@ -348,15 +353,18 @@ class Batch:
         return self._values[key]
 
     def _run(self, tokens: int, sequences: int, rows: int) -> float:
-        b = self._binding
-        if self._bound != (tokens, sequences, rows, self._hidden is not None):  # the arrays are written in place
+        b, bound = self._binding, self._bound  # the arrays are written in place: bound again where a length changed
+        hidden = self._hidden is not None
+        if bound is None or bound[0] != tokens or bound[3] != hidden:
             b.bind_ortvalue_input(self._ids_name, self._value("ids", self._ids[:, :tokens], tokens))
+            if hidden:
+                b.bind_ortvalue_output(self._hidden_name, self._value("hidden", self._hidden[:, :tokens], tokens))
+        if bound is None or bound[1] != sequences:
             b.bind_ortvalue_input("sequences", self._value("seqs", self._seqs[:sequences], sequences))
+        if bound is None or bound[2] != rows:
             b.bind_ortvalue_input("logit_rows", self._value("rows", self._rows[:rows], rows))
             b.bind_ortvalue_output(self._logits_name, self._value("logits", self._logits[:, :rows], rows))
-            if self._hidden is not None:
-                b.bind_ortvalue_output(self._hidden_name, self._value("hidden", self._hidden[:, :tokens], tokens))
-            self._bound = (tokens, sequences, rows, self._hidden is not None)
+        self._bound = (tokens, sequences, rows, hidden)
         t0 = time.perf_counter()
         try:
             self.graph.session.run_with_iobinding(b)
@@ -691,10 +699,10 @@ class Slot(GraphModel):
             self.chain_left = 0
         return self._chain[:self._chained]
 
-    def chain_next(self) -> bool:
-        """A chain's step is over (called under the batch's lock): keep the argmax of its last row; True where
-        the chain goes on, its next token then pending."""
-        x = int(self._out[-1].argmax())
+    def chain_next(self, logits: np.ndarray) -> bool:
+        """A chain's step is over (called under the batch's lock): keep the argmax of ``logits``, its last row
+        (read in the step's buffer, not copied); True where the chain goes on, its next token then pending."""
+        x = int(logits.argmax())
         if self.vocab_ids is not None:
             x = int(self.vocab_ids[x])
         self._chain[self._chained] = x
