@@ -65,11 +65,6 @@ CONTEXT_TOKENS = 256
 """The rows and context of the calibration step that measures what a row adds a token of context it attends to."""
 CATCH_UP_ROUNDS = 8
 """A source that drafts after this many rounds of its slot without its drafts catches up first (``_Gap``)."""
-LONE_STEPS = 32
-"""Steps a sequence runs alone after the batch last held several before it drafts from a draft model's batch
-whose slot lags more than ``chunk`` tokens behind (``k_for``): a draft that did not draft under load reads
-every token it skipped before its first proposal, and a lone spell between two requests' turns is too short to
-pay for that."""
 ACCEPTANCE_DRIFT = 0.06
 """What a slot's acceptance counts of a source lose in a round it did not draft: its estimate moves back to the
 prior (half-way in about 35 such rounds), so a sequence whose drafts stopped paying is tried again."""
@@ -166,7 +161,6 @@ class Batch:
         self.answer_rates: dict[str, float] = {}
         """Each draft source's chance to propose something when asked, over every slot's rounds."""
         self._planned = 0  # the step after which the plan was made
-        self._several = -LONE_STEPS  # the last step that held several requests' sequences
 
     @property
     def config(self) -> Config:
@@ -277,8 +271,6 @@ class Batch:
             self.steps += 1
             self.calls += len(parts)
         if error is None and own:
-            if len(taking) > 1:
-                self._several = self.steps
             if rounds:  # the plan is for rounds, not for prompts' chunks
                 self.cost.observe(t, seconds, sum(s.length for s in taking) / len(taking))
             self._account(clean and gap is not None, guard, waits, drafting, drafted, gap or 0.0, seconds,
@@ -522,14 +514,10 @@ class Batch:
 
     def k_for(self, slot: "Slot") -> list[int] | int:
         """The planned k of each of ``slot``'s sources (planned again when it wants another k than the plan
-        assumed), or one k for all of them: a lone sequence drafts what its Session would draft alone (from a
-        draft model's batch that lags, only ``LONE_STEPS`` steps after the batch last held several), and none
-        drafts where the guard says so."""
+        assumed), or one k for all of them: a lone sequence drafts what its Session would draft alone, and
+        none drafts where the guard says so."""
         active = self._active_count()
         if active <= 1:
-            lag = slot.length - min((d.length for d in slot.leads), default=slot.length)
-            if self.steps - self._several < LONE_STEPS and lag > self.chunk:  # a spell alone under load
-                return [0 if batched else slot.k_wanted for batched in slot.batched]
             return slot.k_wanted
         if not self.guard(active).drafting:
             return 0

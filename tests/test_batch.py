@@ -16,7 +16,6 @@ from rlxrt.config import Config
 from rlxrt.errors import GenerationError, ProviderError
 from rlxrt.sampling import SamplingParams
 from rlxrt.sessions import Cascade, DraftModel, MtpHead, PromptLookup, Session
-from rlxrt.sessions import batch as batch_module
 from rlxrt.sessions.batch import Batch
 from rlxrt.sessions.fused import FusedKVModel
 from rlxrt.app.flags import head_dir
@@ -331,41 +330,6 @@ def test_each_draft_source_of_a_slot_is_planned_from_its_own_acceptance_and_chan
     finally:
         batch.release(a)
         batch.release(b)
-
-
-def test_a_lone_spell_under_load_does_not_catch_up_a_lagging_draft():
-    """A sequence alone for a few steps between other requests' turns does not draft from a draft model's batch
-    whose slot lags behind (its first proposal would read every token it skipped); it does once the spell has
-    lasted ``LONE_STEPS`` steps, where its draft has kept up, and in a batch that never held several."""
-    batch = Batch(TARGET, CFG, slots=2, chunk=4, calibrate=False, gather_seconds=30.0)
-    drafts = Batch(DRAFT, CFG, slots=1, calibrate=False)
-    a, b, d = batch.slot(), batch.slot(), drafts.slot()
-    try:
-        a.lead(d)
-        a.draft_sources(("draft-model",), (True,))
-        ids = np.arange(3, 13)
-        a.reset()
-        a.forward(ids)
-        assert a.k_cap(3) == 3  # a batch that never held several: alone, it drafts as its Session would
-        for s in (a, b):
-            s.reset()
-        threads = [threading.Thread(target=s.forward, args=(x,)) for s, x in ((a, ids), (b, ids[:1]))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(20)
-        assert batch.steps == 2 and batch.calls == 3  # the second step held both
-        b.idle()
-        assert a.k_cap(3) == 0 and a.caps == [0]  # alone, its draft 10 tokens behind: no catch-up
-        d.length = 8
-        assert a.k_cap(3) == 3  # a draft that kept up drafts at once
-        d.length = 0
-        batch.steps += batch_module.LONE_STEPS
-        assert a.k_cap(3) == 3  # a spell that lasted
-    finally:
-        for s in (a, b):
-            batch.release(s)
-        drafts.release(d)
 
 
 def test_a_request_starts_from_what_its_source_does_in_the_batch():
