@@ -255,6 +255,32 @@ def test_a_failed_step_fails_its_requests_and_the_batch_serves_on(monkeypatch):
     assert session.generate(CODE, max_new_tokens=8).token_ids == before
 
 
+def test_a_step_failing_within_a_chain_fails_the_request_and_the_chain_serves_on(monkeypatch):
+    """A draft's step that fails after its chain's first step: the round's request fails with the error, no
+    chain is left running, and the next request drafts and equals its lone run."""
+    batch = Batch(TARGET, CFG, slots=2, calibrate=False)
+    drafts = Batch(DRAFT, CFG, slots=2, calibrate=False)
+    session = Session(batch, DraftModel(drafts, CFG), CFG, k=4)
+    real = drafts.graph.session.run_with_iobinding
+    calls = []
+
+    def fails_second(binding):
+        calls.append(1)
+        if len(calls) == 2:  # the chain's second step
+            raise drafts.graph.errors[0]("an injected failure")
+        return real(binding)
+
+    monkeypatch.setattr(drafts.graph.session, "run_with_iobinding", fails_second)
+    with pytest.raises(GenerationError, match="injected"):
+        session.generate(CODE, max_new_tokens=12, ignore_eos=True)
+    assert len(calls) == 2
+    monkeypatch.setattr(drafts.graph.session, "run_with_iobinding", real)
+    got = session.generate(CODE, max_new_tokens=12, ignore_eos=True)
+    assert got.stats.drafted > 0 and session.speculator.model.chain_left == 0
+    assert got.token_ids == Session(TARGET, DraftModel(DRAFT, CFG), CFG, k=4).generate(
+        CODE, max_new_tokens=12, ignore_eos=True).token_ids
+
+
 def test_a_slot_that_never_hands_in_does_not_stall_the_others():
     batch = Batch(TARGET, CFG, slots=2, gather_seconds=0.05, calibrate=False)
     held = Session(batch, None, CFG).stream(CODE, max_new_tokens=64)
