@@ -234,13 +234,13 @@ class Batch:
         own = not all(s.led for s in taking)  # requests' rounds, not only drafts for another batch's (no plan)
         start = time.perf_counter()
         gap = start - self._ended if self._ended is not None else None
-        rounds = not any(s.fresh for s in taking)  # every slot past its prompt: the step holds rounds alone
-        clean = len(taking) > 1 and rounds
-        drafted = sum(len(s.pending) - 1 for s in taking) if clean else 0
-        caught_up = any(len(s.pending) > 1 and not s.drafted_last for s in taking)  # its first drafts in a while
-        for s in taking:
-            s.drafted_last = not s.fresh and len(s.pending) > 1
-        if own:
+        if own:  # what the step tells the plan and the guard (a draft's batch has neither)
+            rounds = not any(s.fresh for s in taking)  # every slot past its prompt: the step holds rounds alone
+            clean = len(taking) > 1 and rounds
+            drafted = sum(len(s.pending) - 1 for s in taking) if clean else 0
+            caught_up = any(len(s.pending) > 1 and not s.drafted_last for s in taking)  # first drafts in a while
+            for s in taking:
+                s.drafted_last = not s.fresh and len(s.pending) > 1
             load = self._active_count()
             guard, waits = self.guard(load), self.draft_cost(load)
             drafting = guard.drafting  # the mode the slots planned this step's rounds in
