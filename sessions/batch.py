@@ -236,7 +236,7 @@ class Batch:
         gap = start - self._ended if self._ended is not None else None
         if own:  # what the step tells the plan and the guard (a draft's batch has neither)
             rounds = not any(s.fresh for s in taking)  # every slot past its prompt: the step holds rounds alone
-            clean = len(taking) > 1 and rounds
+            clean = len(taking) > 1 and rounds and any(s.sources for s in taking)  # none drafts: nothing to tell
             drafted = sum(len(s.pending) - 1 for s in taking) if clean else 0
             caught_up = any(len(s.pending) > 1 and not s.drafted_last for s in taking)  # first drafts in a while
             for s in taking:

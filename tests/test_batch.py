@@ -551,6 +551,29 @@ def test_a_source_catching_up_leaves_its_gap_unmeasured():
             batch.release(s)
 
 
+def test_steps_where_no_sequence_can_draft_tell_the_guards_and_draft_costs_nothing():
+    """Sessions without a speculator sharing a batch with speculative ones (or before them): their steps say
+    nothing of what drafting gains or costs, so the guards and the gaps the plan prices learn only from steps
+    that hold a sequence that could draft."""
+    batch = Batch(TARGET, CFG, slots=2, calibrate=False)
+
+    def together(make):
+        threads = [threading.Thread(target=lambda: Session(batch, make(), CFG).generate(
+            CODE, max_new_tokens=60, ignore_eos=True)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+
+    together(lambda: None)
+    assert batch.steps > 60
+    assert all(g.rates == {True: None, False: None} for g in batch.guards.values())
+    assert all(not c.plain and not c.drafting for c in batch.draft_costs.values())
+    together(lambda: PromptLookup(min_n=2))
+    assert any(r is not None for g in batch.guards.values() for r in g.rates.values())
+    assert any(c.plain or c.drafting for c in batch.draft_costs.values())
+
+
 def test_the_active_count_follows_every_slot_change():
     """Rounds read the count of slots in a request without walking every slot: it is counted again after a slot
     joins a request, ends one, is armed as a draft or hands in tokens, and a lone sequence drafts as alone."""
