@@ -329,18 +329,21 @@ class DraftCost:
 class Guard:
     """Whether a batch drafts as planned or not at all: the plan's costs are measured, but not everything a step
     waits for is (a speculator catching up after a pause, the cores the drafts take from the step, a speculative
-    round's own Python), so the guard also measures the outcome. It runs windows of ``window`` steps in one mode,
-    keeps the tokens a second of each mode (a running mean, each window weighing half) and drafts in the better
-    mode, drafting counting as better only where it serves ``margin`` more (a tie goes to plain steps: what
-    drafting costs outside the steps counted, the drafts' prompts and catching up, is not measured). It tries
-    the other mode for one window after ``explore`` windows in the better one; each try that confirms the better
-    mode doubles that interval, up to ``explore_max`` (a try costs what the worse mode loses, so a settled choice
-    is tried less and less often), and a try that finds the other mode better, or a better mode whose own rate
-    falls below the other's, switches and starts over at ``explore``. A step counts with the mode its sequences
-    drafted in, its whole time (the gap before it and its run) and the tokens its rounds emitted; the batch
-    leaves out steps that hold a prompt's chunk, whose time says nothing of drafting. The first ``settle`` steps
-    after a switch do not count either: a speculator catches up then on what it did not read while the other
-    mode ran (a head reads every row since its last proposal), a cost of switching, not of the mode."""
+    round's own Python), so the guard also measures the outcome. It runs windows of ``window`` steps in one mode
+    and drafts in the better one, drafting counting as better only where it serves ``margin`` more (a tie goes
+    to plain steps: what drafting costs outside the steps counted, the drafts' prompts and catching up, is not
+    measured). After ``explore`` windows in the better mode it tries the other for one window, then runs one
+    more in the better mode, and compares the try with the mean of the windows just before and after it: the
+    machine's speed drifts (by tens of percent over seconds on a shared VM), so a try measured now is compared
+    with the kept mode measured around it, never with a rate measured long before (which made a kept mode whose
+    fresh rate fell with the machine's look worse than the other's stale one, and switch). A try that confirms
+    the choice doubles ``explore``, up to ``explore_max`` (a try costs what the worse mode loses, so a settled
+    choice is tried less and less often); one that finds the other mode better switches to it and starts over
+    at ``explore``. A step counts with the mode its sequences drafted in, its whole time (the gap before it and
+    its run) and the tokens its rounds emitted; the batch leaves out steps that hold a prompt's chunk, whose time
+    says nothing of drafting. The first ``settle`` steps after a switch do not count either: a speculator catches
+    up then on what it did not read while the other mode ran (a head reads every row since its last proposal), a
+    cost of switching, not of the mode."""
 
     def __init__(self, window: int = 8, explore: int = 4, settle: int = 1, explore_max: int = 16,
                  margin: float = 0.03):
@@ -351,9 +354,12 @@ class Guard:
         self._settling = 0
         self.drafting = True
         self.rates: dict[bool, float | None] = {True: None, False: None}
+        """Each mode's tokens a second in its last window."""
         self._sums = {True: [0, 0, 0.0], False: [0, 0, 0.0]}  # steps, tokens, seconds of each mode's window
         self._kept = 0  # windows in the better mode since the other was last tried
-        self._trying = False  # the window running tries the mode not thought better
+        self._phase = "first"  # the first two windows (one of each mode); "try": the window running tries the
+        # other mode; "close": the one after a try; "keep": the better mode's
+        self._before: float | None = None  # the kept mode's rate in the window before the try
 
     def step(self, drafting: bool, seconds: float, tokens: int) -> None:
         """One step's record: the mode its rounds drafted in, its seconds, the tokens its rounds emitted."""
@@ -366,31 +372,35 @@ class Guard:
         sums[2] += seconds
         if drafting != self.drafting or sums[0] < self.window:
             return
-        rate = sums[1] / max(sums[2], 1e-9)
-        old = self.rates[drafting]
-        self.rates[drafting] = rate if old is None else 0.5 * (old + rate)
+        self.rates[drafting] = sums[1] / max(sums[2], 1e-9)
         self._sums[drafting] = [0, 0, 0.0]
         self._window_ended(drafting)
 
     def _window_ended(self, drafting: bool) -> None:
-        other = not drafting
-        if self.rates[other] is None:  # the other mode is measured once before any choice
-            self._switch(other, trying=False)
-            return
-        best = self.rates[True] > self.rates[False] * (1 + self.margin)
-        if self._trying:  # this window tried the mode not thought better
-            self.explore = self.explore_min if best == drafting else min(2 * self.explore, self.explore_max)
-            self._switch(best, trying=False)
-        elif best != drafting:  # the better mode's own rate fell below the other's
-            self.explore = self.explore_min
-            self._switch(best, trying=False)
+        rate, other = self.rates[drafting], self.rates[not drafting]
+        if other is None:  # the other mode is measured once before any choice: the window after this one
+            self._switch(not drafting, "first")
+        elif self._phase == "try":  # back to the kept mode for the window that closes the bracket
+            self._switch(not drafting, "close")
+        elif self._phase in ("close", "first"):  # a bracket closed, or the first window of each mode
+            around = rate if self._before is None else 0.5 * (self._before + rate)
+            drafts, plain = (around, other) if drafting else (other, around)
+            best = drafts > plain * (1 + self.margin)
+            if best == drafting:
+                self.explore = min(2 * self.explore, self.explore_max) if self._phase == "close" else self.explore
+                self._kept, self._phase, self._before = 1, "keep", rate
+            else:
+                self.explore = self.explore_min
+                self._switch(best, "keep")
         else:
             self._kept += 1
+            self._before = rate
             if self._kept >= self.explore:
-                self._switch(other, trying=True)
+                self._switch(not drafting, "try")
 
-    def _switch(self, drafting: bool, trying: bool) -> None:
+    def _switch(self, drafting: bool, phase: str) -> None:
         if drafting != self.drafting:
             self._settling = self.settle
-            self._kept = 0
-        self.drafting, self._trying = drafting, trying
+        if phase in ("keep", "first"):
+            self._kept, self._before = 0, None
+        self.drafting, self._phase = drafting, phase

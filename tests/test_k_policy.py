@@ -213,8 +213,25 @@ def test_a_settled_choice_is_tried_less_and_less_often_and_a_change_is_still_fol
     windows.clear()
     run(4 * 40, False)  # the other mode pays now: found by the next try (at most 16 windows on), and kept
     first = windows.index(False)
-    tries = [i for i in range(first + 4, len(windows), 4) if windows[i]]  # drafting is now the one tried
-    assert first <= 4 * 17 and [b - a for a, b in zip([first] + tries, tries)] == [4 * 5, 4 * 9, 4 * 17], windows
+    close = first + 4  # the window after the try, in the kept mode: the try is compared with both around it
+    assert windows[close] and not windows[close + 4]
+    tries = [i for i in range(close + 4, len(windows), 4) if windows[i]]  # drafting is now the one tried
+    assert first <= 4 * 17 and [b - a for a, b in zip([close] + tries, tries)] == [4 * 5, 4 * 9, 4 * 17], windows
+
+
+def test_a_try_is_judged_against_the_windows_around_it_not_a_rate_measured_long_before():
+    """Drafting serves 8 % more than plain steps all along, while the machine slows by half every 60 windows:
+    each try of plain steps is compared with drafting measured just before and after it, so the guard keeps
+    drafting. (A guard that compared drafting's fresh rate with plain steps' rate measured at the last try, up
+    to 16 windows before, found the machine's slowing there and switched.)"""
+    guard = Guard(window=4, explore=4, settle=0)
+    windows = []
+    for step in range(4 * 200):
+        speed = 0.5 ** (step / (4 * 60))
+        windows.append(guard.drafting)
+        guard.step(guard.drafting, 1.0, 100 * speed * (1.08 if guard.drafting else 1.0))
+    kept = windows[40::4]
+    assert sum(kept) / len(kept) >= 0.85, "".join("d" if w else "." for w in windows[::4])
 
 
 def test_a_step_record_of_the_mode_before_a_switch_counts_for_that_mode():
