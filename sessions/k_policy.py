@@ -326,6 +326,10 @@ class DraftCost:
         return statistics.median(seen) if seen else 0.0
 
 
+TRIM_FROM = 4
+"""A guard's window of at least this many steps leaves out its step of the lowest rate (``Guard``)."""
+
+
 class Guard:
     """Whether a batch drafts as planned or not at all: the plan's costs are measured, but not everything a step
     waits for is (a speculator catching up after a pause, the cores the drafts take from the step, a speculative
@@ -336,7 +340,10 @@ class Guard:
     more in the better mode, and compares the try with the mean of the windows just before and after it: the
     machine's speed drifts (by tens of percent over seconds on a shared VM), so a try measured now is compared
     with the kept mode measured around it, never with a rate measured long before (which made a kept mode whose
-    fresh rate fell with the machine's look worse than the other's stale one, and switch). A try that confirms
+    fresh rate fell with the machine's look worse than the other's stale one, and switch). A window's rate
+    leaves out its step of the lowest rate: a few steps take far longer than the rest in either mode (a
+    request arriving, the machine), and one of them moved an 8-step window's rate by tens of percent, so that
+    the choice followed them (docs/performance.md, "Stop 53"). A try that confirms
     the choice doubles ``explore``, up to ``explore_max`` (a try costs what the worse mode loses, so a settled
     choice is tried less and less often); one that finds the other mode better switches to it and starts over
     at ``explore``. A step counts with the mode its sequences drafted in, its whole time (the gap before it and
@@ -345,7 +352,7 @@ class Guard:
     up then on what it did not read while the other mode ran (a head reads every row since its last proposal), a
     cost of switching, not of the mode."""
 
-    def __init__(self, window: int = 8, explore: int = 4, settle: int = 1, explore_max: int = 16,
+    def __init__(self, window: int = 16, explore: int = 4, settle: int = 1, explore_max: int = 16,
                  margin: float = 0.03):
         self.window, self.settle, self.margin = window, settle, margin
         self.explore_min, self.explore_max = explore, max(explore, explore_max)
@@ -355,7 +362,7 @@ class Guard:
         self.drafting = True
         self.rates: dict[bool, float | None] = {True: None, False: None}
         """Each mode's tokens a second in its last window."""
-        self._sums = {True: [0, 0, 0.0], False: [0, 0, 0.0]}  # steps, tokens, seconds of each mode's window
+        self._steps: dict[bool, list[tuple[float, int]]] = {True: [], False: []}  # each mode's window so far
         self._kept = 0  # windows in the better mode since the other was last tried
         self._phase = "first"  # the first two windows (one of each mode); "try": the window running tries the
         # other mode; "close": the one after a try; "keep": the better mode's
@@ -366,14 +373,14 @@ class Guard:
         if drafting == self.drafting and self._settling > 0:
             self._settling -= 1
             return
-        sums = self._sums[drafting]
-        sums[0] += 1
-        sums[1] += tokens
-        sums[2] += seconds
-        if drafting != self.drafting or sums[0] < self.window:
+        steps = self._steps[drafting]
+        steps.append((seconds, tokens))
+        if drafting != self.drafting or len(steps) < self.window:
             return
-        self.rates[drafting] = sums[1] / max(sums[2], 1e-9)
-        self._sums[drafting] = [0, 0, 0.0]
+        if len(steps) >= TRIM_FROM:  # the window's step of the lowest rate is left out
+            steps.remove(min(steps, key=lambda step: step[1] / max(step[0], 1e-9)))
+        self.rates[drafting] = sum(t for _, t in steps) / max(sum(sec for sec, _ in steps), 1e-9)
+        self._steps[drafting] = []
         self._window_ended(drafting)
 
     def _window_ended(self, drafting: bool) -> None:

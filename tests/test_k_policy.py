@@ -234,6 +234,25 @@ def test_a_try_is_judged_against_the_windows_around_it_not_a_rate_measured_long_
     assert sum(kept) / len(kept) >= 0.85, "".join("d" if w else "." for w in windows[::4])
 
 
+def test_a_window_leaves_out_its_slowest_step(monkeypatch):
+    """One step in 20, in either mode, takes 8 times as long (a request arriving, the machine): a window's
+    rate leaves out its step of the lowest rate, so the guard keeps to the mode that serves 8 % more, where
+    whole windows' rates made it follow where those steps fell."""
+    from rlxrt.sessions import k_policy
+
+    def share(trim_from):
+        monkeypatch.setattr(k_policy, "TRIM_FROM", trim_from)
+        guard, rng, kept = Guard(window=16, explore=4, settle=0), np.random.default_rng(11), []
+        for _ in range(16 * 600):
+            kept.append(guard.drafting)
+            slow = 8.0 if rng.random() < 0.05 else 1.0
+            guard.step(guard.drafting, slow * float(np.exp(rng.normal(0, 0.1))), 108 if guard.drafting else 100)
+        return sum(kept[16 * 10:]) / len(kept[16 * 10:])
+
+    trimmed, whole = share(4), share(10 ** 6)
+    assert trimmed >= 0.75 and trimmed > whole + 0.1, (trimmed, whole)
+
+
 def test_a_step_record_of_the_mode_before_a_switch_counts_for_that_mode():
     """The batch hands the guard a step's record one step late (its tokens are reported after it): a record of
     the mode just left goes to that mode, not to the window now running."""
