@@ -345,8 +345,10 @@ class Guard:
     request arriving, the machine), and one of them moved an 8-step window's rate by tens of percent, so that
     the choice followed them (docs/performance.md, "Stop 53"). A try that confirms
     the choice doubles ``explore``, up to ``explore_max`` (a try costs what the worse mode loses, so a settled
-    choice is tried less and less often); one that finds the other mode better switches to it and starts over
-    at ``explore``. A step counts with the mode its sequences drafted in, its whole time (the gap before it and
+    choice is tried less and less often); one that finds the other mode better is made again at once, and two
+    in a row switch to it and start over at ``explore`` (one window against two is a coin's toss where the
+    modes are a few percent apart: a switch on one such toss spent a third of a server's steps in the worse
+    mode). A step counts with the mode its sequences drafted in, its whole time (the gap before it and
     its run) and the tokens its rounds emitted; the batch leaves out steps that hold a prompt's chunk, whose time
     says nothing of drafting. The first ``settle`` steps after a switch do not count either: a speculator catches
     up then on what it did not read while the other mode ran (a head reads every row since its last proposal), a
@@ -367,6 +369,7 @@ class Guard:
         self._phase = "first"  # the first two windows (one of each mode); "try": the window running tries the
         # other mode; "close": the one after a try; "keep": the better mode's
         self._before: float | None = None  # the kept mode's rate in the window before the try
+        self._doubt = False  # the last try found the other mode better: it is tried again before a switch
 
     def step(self, drafting: bool, seconds: float, tokens: int) -> None:
         """One step's record: the mode its rounds drafted in, its seconds, the tokens its rounds emitted."""
@@ -394,9 +397,15 @@ class Guard:
             drafts, plain = (around, other) if drafting else (other, around)
             best = drafts > plain * (1 + self.margin)
             if best == drafting:
-                self.explore = min(2 * self.explore, self.explore_max) if self._phase == "close" else self.explore
+                if self._phase == "close" and not self._doubt:
+                    self.explore = min(2 * self.explore, self.explore_max)
+                self._doubt = False
                 self._kept, self._phase, self._before = 1, "keep", rate
+            elif self._phase == "close" and not self._doubt:  # tried again at once: a switch takes two in a row
+                self._doubt, self._before = True, rate
+                self._switch(not drafting, "try")
             else:
+                self._doubt = False
                 self.explore = self.explore_min
                 self._switch(best, "keep")
         else:
