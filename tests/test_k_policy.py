@@ -239,13 +239,11 @@ def test_one_lucky_try_does_not_switch_two_in_a_row_do():
     measures 20: the guard tries them again at once, finds 10, and keeps drafting. Later plain steps serve 20
     in every window: two tries in a row find them better, and it switches."""
     guard = Guard(window=2, explore=2, settle=0)
-    modes, plain_windows = [], []
+    modes = []
 
     def window(plain_rate):
         mode = guard.drafting
         modes.append(mode)
-        if not mode:
-            plain_windows.append(plain_rate)
         for _ in range(2):
             guard.step(mode, 1.0, 12 if mode else plain_rate)
 
