@@ -218,6 +218,31 @@ def _attention(node, inits: dict) -> dict | None:
             "scale": float(attrs.get("scale") or 1.0 / d ** 0.5), "local_window_size": int(attrs.get("local_window_size", -1))}
 
 
+def keys_in_order(keys: np.ndarray) -> np.ndarray:
+    """A key buffer [..., capacity, head_dim] as StreamAttention keeps it (blocks of 16 positions, each
+    dimension by dimension: stream_attention.h) as the keys in position order, the layout ONNX Runtime's
+    GroupQueryAttention keeps; ``keys_in_blocks`` is the other way."""
+    return _reblock(keys, to_order=True)
+
+
+def keys_in_blocks(keys: np.ndarray) -> np.ndarray:
+    """Keys in position order [..., capacity, head_dim] as StreamAttention keeps them."""
+    return _reblock(keys, to_order=False)
+
+
+def _reblock(keys: np.ndarray, to_order: bool) -> np.ndarray:
+    *lead, cap, d = keys.shape
+    flat_in, out = keys.reshape(*lead, cap * d), np.empty_like(keys)
+    flat_out = out.reshape(*lead, cap * d)
+    for j0 in range(0, cap, 16):
+        w = min(16, cap - j0)
+        if to_order:
+            out[..., j0:j0 + w, :] = np.swapaxes(flat_in[..., j0 * d:(j0 + w) * d].reshape(*lead, d, w), -1, -2)
+        else:
+            flat_out[..., j0 * d:(j0 + w) * d] = np.swapaxes(keys[..., j0:j0 + w, :], -1, -2).reshape(*lead, w * d)
+    return out
+
+
 def unpack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     """MatMulNBits' codes [N, K/32, 4 * bits] as one code a byte, [N, K]."""
     n = codes.shape[0]

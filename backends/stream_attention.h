@@ -4,11 +4,17 @@
  * differs from its one-row path by ~1e-7, which is all that kept a verification from equalling one-row steps
  * bit for bit once the MatMuls are rlxrt's.
  *
+ * The keys are kept in blocks of 16 positions, each block dimension by dimension: key j's dimension d sits at
+ * 16 D (j / 16) + w d + j % 16 of its kv head's cap x D floats, w = min(16, cap - 16 (j / 16)) (a last block of
+ * a capacity that is not a multiple of 16 is narrower), so that 16 keys' d-th dimensions are one vector load;
+ * the values are row by row, [cap, D]. ONNX Runtime's GroupQueryAttention keeps the keys row by row: a KV buffer
+ * is read by the op that wrote it (cpu_kernels.keys_in_order gives a buffer's keys row by row).
+ *
  * New token i of S sits at position p = seqlens_k + 1 - S + i. Its key (rotated) and value are written at p;
  * then for each query head h (kv head h / (H / KV)) and row i, over the keys j = lo .. p (lo = p - window + 1
  * with a window, else 0), in this order:
- *     s_j = scale * q_h . k_j    (generic: a 16-lane dot product, its lanes summed in a fixed tree; AVX-512: 16
- *                                keys a lane each, one fused multiply-add a dimension, in order)
+ *     s_j = scale * q_h . k_j    (16 keys a lane each, one multiply-add a dimension, in order: with AVX-512 a
+ *                                fused one)
  *     m = max s_j,  e_j = exp(s_j - m),  z = sum e_j,  out = (sum e_j * v_j) / z
  * Rotary (rotate-half): x'[d] = x[d] cos - x[d + D/2] sin, x'[d + D/2] = x[d + D/2] cos + x[d] sin.
  */
@@ -17,7 +23,7 @@ typedef float att_vec __attribute__((vector_size(ATT_LANES * 4)));
 
 typedef struct {
   const float *q;        /* rotated queries [S, H, D] */
-  const float *keys, *values; /* the present buffers [KV, CAP, D] */
+  const float *keys, *values; /* the present buffers [KV, CAP, D], the keys in blocks (above) */
   float *out;            /* [S, H * D] */
   int64_t S, H, KV, D, cap, first, window;
   float scale;
@@ -57,48 +63,28 @@ typedef int32_t att_ivec __attribute__((vector_size(ATT_LANES * 4)));
 /* Rows are (token i, head h) pairs of one kv group, taken 4 at a time: their raw scores over each row's own key
  * range go to scores[r] (SCORES: one dot product per row and key), then each row's softmax, then the weighted
  * values of all 4 rows in walks over the value rows (up to ATT_CHUNKS chunks of 16 lanes a walk). A row's sums
- * run over its keys in ascending order into two partial sums per 16 lanes (even and odd key positions, added at
- * the end), whatever rows and chunks share its walk. */
+ * run over its keys in ascending order, one sum per 16 lanes, whatever rows and chunks share its walk. */
 #define ATT_ROWS 4
 
-/* Chunks of 16 value lanes one walk over the value rows carries for every row: its R * C * 2 partial sums stay
- * in registers (R * C <= 12), and each value row is read once a walk rather than once a chunk. */
+/* Chunks of 16 value lanes one walk over the value rows carries for every row: its R * C sums stay in registers
+ * (R * C <= 16), and each value row is read once a walk rather than once a chunk. */
 #define ATT_CHUNKS 4
 
-/* acc[s][c][parity] += e_s[j] * v[j][16 c ..] for rows s < R and chunks c < C over keys j = from .. to (R and C
+/* acc[s][c] += e_s[j] * v[j][16 c ..] for rows s < R and chunks c < C over keys j = from .. to (R and C
  * constants where inlined) */
 #define ATT_PV(NAME, TARGET)                                                                                 \
   TARGET AI void NAME##_pv(int R, int C, const float *v, int64_t D, int64_t from, int64_t to, float *const *e, \
-                           const int64_t *lo, att_vec (*acc)[ATT_CHUNKS][2]) {                               \
-    int64_t j = from;                                                                                        \
-    if (j <= to && (j & 1)) {                                                                                \
+                           const int64_t *lo, att_vec (*acc)[ATT_CHUNKS]) {                                  \
+    for (int64_t j = from; j <= to; j++)                                                                     \
       for (int c = 0; c < C; c++) {                                                                          \
         att_vec x;                                                                                           \
         memcpy(&x, v + j * D + c * ATT_LANES, sizeof x);                                                     \
-        for (int s = 0; s < R; s++) acc[s][c][1] += e[s][j - lo[s]] * x;                                     \
-      }                                                                                                      \
-      j++;                                                                                                   \
-    }                                                                                                        \
-    for (; j + 1 <= to; j += 2)                                                                              \
-      for (int c = 0; c < C; c++) {                                                                          \
-        att_vec x0, x1;                                                                                      \
-        memcpy(&x0, v + j * D + c * ATT_LANES, sizeof x0);                                                   \
-        memcpy(&x1, v + (j + 1) * D + c * ATT_LANES, sizeof x1);                                             \
-        for (int s = 0; s < R; s++) {                                                                        \
-          acc[s][c][0] += e[s][j - lo[s]] * x0;                                                              \
-          acc[s][c][1] += e[s][j + 1 - lo[s]] * x1;                                                          \
-        }                                                                                                    \
-      }                                                                                                      \
-    if (j <= to)                                                                                             \
-      for (int c = 0; c < C; c++) {                                                                          \
-        att_vec x;                                                                                           \
-        memcpy(&x, v + j * D + c * ATT_LANES, sizeof x);                                                     \
-        for (int s = 0; s < R; s++) acc[s][c][0] += e[s][j - lo[s]] * x;                                     \
+        for (int s = 0; s < R; s++) acc[s][c] += e[s][j - lo[s]] * x;                                        \
       }                                                                                                      \
   }                                                                                                          \
   /* NAME##_pv with R and C made constants */                                                                \
   TARGET AI void NAME##_walk(int R, int C, const float *v, int64_t D, int64_t from, int64_t to,              \
-                             float *const *e, const int64_t *lo, att_vec (*acc)[ATT_CHUNKS][2]) {            \
+                             float *const *e, const int64_t *lo, att_vec (*acc)[ATT_CHUNKS]) {               \
     switch (R * 8 + C) {                                                                                     \
       case 9: NAME##_pv(1, 1, v, D, from, to, e, lo, acc); break;                                            \
       case 10: NAME##_pv(1, 2, v, D, from, to, e, lo, acc); break;                                           \
@@ -114,17 +100,17 @@ typedef int32_t att_ivec __attribute__((vector_size(ATT_LANES * 4)));
       case 28: NAME##_pv(3, 4, v, D, from, to, e, lo, acc); break;                                           \
       case 33: NAME##_pv(4, 1, v, D, from, to, e, lo, acc); break;                                           \
       case 34: NAME##_pv(4, 2, v, D, from, to, e, lo, acc); break;                                           \
-      default: NAME##_pv(4, 3, v, D, from, to, e, lo, acc); break;                                           \
+      case 35: NAME##_pv(4, 3, v, D, from, to, e, lo, acc); break;                                           \
+      default: NAME##_pv(4, 4, v, D, from, to, e, lo, acc); break;                                           \
     }                                                                                                        \
   }
 
-#define ATT_VARIANT(NAME, TARGET, SCORES, KEYS_T)                                                            \
+#define ATT_VARIANT(NAME, TARGET, SCORES)                                                                    \
   ATT_EXP(NAME, TARGET)                                                                                      \
   ATT_PV(NAME, TARGET)                                                                                       \
   TARGET static void NAME##_group(const Attention *t, int64_t g, float *scratch_rows) {                      \
     int64_t G = t->H / t->KV, R = t->S * G, stride = t->cap + ATT_LANES;                                     \
     const float *keys = t->keys + g * t->cap * t->D, *values = t->values + g * t->cap * t->D;                \
-    const float *kt = KEYS_T(t, keys, R); /* the keys transposed once for all rows, or NULL */              \
     for (int64_t r0 = 0; r0 < R; r0 += ATT_ROWS) {                                                           \
       int rows = (int)(R - r0 < ATT_ROWS ? R - r0 : ATT_ROWS);                                               \
       const float *q[ATT_ROWS] = {0};                                                                        \
@@ -139,7 +125,7 @@ typedef int32_t att_ivec __attribute__((vector_size(ATT_LANES * 4)));
         shared_lo = lo[s] > shared_lo ? lo[s] : shared_lo;                                                   \
         shared_hi = hi[s] < shared_hi ? hi[s] : shared_hi;                                                   \
       }                                                                                                      \
-      SCORES(t, keys, kt, rows, q, lo, hi, scores);                                                          \
+      SCORES(t, keys, rows, q, lo, hi, scores);                                                              \
       for (int s = 0; s < rows; s++) { /* softmax numerators in place, and their sum */                      \
         int64_t n = hi[s] - lo[s] + 1, padded = (n + ATT_LANES - 1) / ATT_LANES * ATT_LANES;                 \
         float *sc = scores[s];                                                                               \
@@ -161,13 +147,13 @@ typedef int32_t att_ivec __attribute__((vector_size(ATT_LANES * 4)));
         total[s] = tree_sum(sum);                                                                            \
       }                                                                                                      \
       int shared = shared_lo <= shared_hi; /* keys every row reads (none if windows keep them apart) */      \
-      int most = rows <= 3 ? ATT_CHUNKS : 3, C;                                                              \
-      for (int64_t c0 = 0; c0 < t->D; c0 += C * ATT_LANES) { /* up to `most` chunks of the values a walk */   \
-        C = (t->D - c0) / ATT_LANES < most ? (int)((t->D - c0) / ATT_LANES) : most;                          \
-        att_vec acc[ATT_ROWS][ATT_CHUNKS][2];                                                                \
+      int C;                                                                                                 \
+      for (int64_t c0 = 0; c0 < t->D; c0 += C * ATT_LANES) { /* up to ATT_CHUNKS chunks of the values a walk */\
+        C = (t->D - c0) / ATT_LANES < ATT_CHUNKS ? (int)((t->D - c0) / ATT_LANES) : ATT_CHUNKS;              \
+        att_vec acc[ATT_ROWS][ATT_CHUNKS];                                                                   \
         const float *v = values + c0;                                                                        \
         for (int s = 0; s < rows; s++) { /* a row's keys before the shared ones */                           \
-          for (int c = 0; c < C; c++) acc[s][c][0] = acc[s][c][1] = (att_vec){0};                            \
+          for (int c = 0; c < C; c++) acc[s][c] = (att_vec){0};                                              \
           NAME##_walk(1, C, v, t->D, lo[s], shared ? shared_lo - 1 : hi[s], &scores[s], &lo[s], &acc[s]);    \
         }                                                                                                    \
         if (shared) /* the shared keys, each value row loaded once for all rows */                           \
@@ -176,7 +162,7 @@ typedef int32_t att_ivec __attribute__((vector_size(ATT_LANES * 4)));
           int64_t i = (r0 + s) / G, h = g * G + (r0 + s) % G;                                                \
           if (shared) NAME##_walk(1, C, v, t->D, shared_hi + 1, hi[s], &scores[s], &lo[s], &acc[s]);         \
           for (int c = 0; c < C; c++) {                                                                      \
-            att_vec r = (acc[s][c][0] + acc[s][c][1]) / total[s];                                            \
+            att_vec r = acc[s][c] / total[s];                                                                \
             memcpy(t->out + (i * t->H + h) * t->D + c0 + c * ATT_LANES, &r, sizeof r);                       \
           }                                                                                                  \
         }                                                                                                    \
@@ -207,130 +193,123 @@ static inline float tree_max(att_vec v) {
   return v[0];
 }
 
-/* raw scores, one 16-lane dot product per row and key, its lanes summed by tree_sum */
-static void generic_scores(const Attention *t, const float *keys, const float *kt, int rows, const float **q,
-                           const int64_t *lo, const int64_t *hi, float **scores) {
-  (void)kt;
-  for (int s = 0; s < rows; s++)
-    for (int64_t j = lo[s]; j <= hi[s]; j++) {
+/* the lowest and highest key of the rows' ranges */
+static inline void key_span(int rows, const int64_t *lo, const int64_t *hi, int64_t *first, int64_t *last) {
+  *first = lo[0], *last = hi[0];
+  for (int s = 1; s < rows; s++) {
+    *first = lo[s] < *first ? lo[s] : *first;
+    *last = hi[s] > *last ? hi[s] : *last;
+  }
+}
+
+/* the lanes of a block's keys j0 .. j0 + 15 that are row s's own: from .. to (empty where from > to) */
+static inline void own_lanes(int64_t lo, int64_t hi, int64_t j0, int64_t *from, int64_t *to) {
+  *from = lo - j0 > 0 ? lo - j0 : 0;
+  *to = hi - j0 < ATT_LANES - 1 ? hi - j0 : ATT_LANES - 1;
+}
+
+/* raw scores, 16 keys a lane: each lane adds q[d] * key[d] over d = 0 .. D-1 in order */
+static void generic_scores(const Attention *t, const float *keys, int rows, const float **q, const int64_t *lo,
+                           const int64_t *hi, float **scores) {
+  int64_t first, last;
+  key_span(rows, lo, hi, &first, &last);
+  for (int64_t j0 = first / ATT_LANES * ATT_LANES; j0 <= last; j0 += ATT_LANES) {
+    const float *block = keys + j0 * t->D;
+    int64_t w = t->cap - j0 < ATT_LANES ? t->cap - j0 : ATT_LANES, n = last - j0 + 1 < w ? last - j0 + 1 : w;
+    for (int s = 0; s < rows; s++) {
+      int64_t from, to;
+      own_lanes(lo[s], hi[s], j0, &from, &to);
+      if (from > to) continue;
       att_vec acc = {0};
-      for (int64_t d = 0; d < t->D; d += ATT_LANES) {
-        att_vec x, y;
-        memcpy(&x, q[s] + d, sizeof x);
-        memcpy(&y, keys + j * t->D + d, sizeof y);
-        acc += x * y;
+      for (int64_t d = 0; d < t->D; d++) {
+        att_vec k = {0};
+        memcpy(&k, block + d * w, (size_t)n * sizeof(float));
+        acc += q[s][d] * k;
       }
-      scores[s][j - lo[s]] = t->scale * tree_sum(acc);
+      for (int64_t l = from; l <= to; l++) scores[s][j0 + l - lo[s]] = t->scale * acc[l];
     }
+  }
 }
 
 typedef void (*HeadFn)(const Attention *, int64_t, float *);
-/* the generic variant reads the keys as they are */
-static const float *no_transpose(const Attention *t, const float *keys, int64_t rows) {
-  (void)t, (void)keys, (void)rows;
-  return NULL;
-}
 
-ATT_VARIANT(att_generic, , generic_scores, no_transpose)
+ATT_VARIANT(att_generic, , generic_scores)
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define AVX512 __attribute__((target("avx512f,fma")))
 
-/* the 16 x 16 floats in r transposed in registers: r[d] lane i <- r[i] lane d */
-AVX512 AI void transpose16(__m512 *r) {
-  __m512 t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
-    __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
-    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-  }
-  for (int i = 0; i < 4; i++) {
-    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 8; i++) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
-  }
-}
-
-/* scores of R rows (R a constant where inlined) for 16 keys at a time, one key a lane: each block of 16 keys
- * by 16 dimensions is loaded once and transposed, then every row adds q[d] * key[d] over d = 0 .. D-1 in order
- * (one fused multiply-add per dimension), so a key's score does not depend on its lane nor on the other rows */
-AVX512 AI void avx512_scores_rows(int R, const Attention *t, const float *keys, const float *kt, const float **q,
-                                  const int64_t *lo, const int64_t *hi, float **scores) {
-  int64_t first = lo[0], last = hi[0];
-  for (int s = 1; s < R; s++) {
-    first = lo[s] < first ? lo[s] : first;
-    last = hi[s] > last ? hi[s] : last;
+/* the raw scores of R rows (a constant where inlined) for B whole blocks of 16 keys from j0 (B * R chains of
+ * fused multiply-adds at once, so that none waits on its last), stored in the lanes of each row's own keys */
+#define ATT_BLOCKS 4
+AVX512 AI void avx512_blocks(int R, int B, const Attention *t, const float *keys, const float **q, const int64_t *lo,
+                             const int64_t *hi, float **scores, int64_t j0) {
+  const float *block = keys + j0 * t->D;
+  __m512 acc[ATT_ROWS][ATT_BLOCKS];
+  for (int s = 0; s < R; s++)
+    for (int b = 0; b < B; b++) acc[s][b] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < t->D; d++) {
+    __m512 k[ATT_BLOCKS];
+    for (int b = 0; b < B; b++) k[b] = _mm512_loadu_ps(block + (b * t->D + d) * ATT_LANES);
+    for (int s = 0; s < R; s++) {
+      __m512 x = _mm512_set1_ps(q[s][d]);
+      for (int b = 0; b < B; b++) acc[s][b] = _mm512_fmadd_ps(x, k[b], acc[s][b]);
+    }
   }
   __m512 scale = _mm512_set1_ps(t->scale);
-  for (int64_t j0 = first; j0 <= last; j0 += ATT_LANES) {
-    int n = last - j0 + 1 < ATT_LANES ? (int)(last - j0 + 1) : ATT_LANES;
-    __m512 acc[ATT_ROWS];
-    for (int s = 0; s < R; s++) acc[s] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < t->D; c += ATT_LANES) {
-      __m512 k[ATT_LANES];
-      if (kt) { /* j0 is a multiple of 16 there (no window: every row's keys start at 0) */
-        for (int d = 0; d < ATT_LANES; d++) k[d] = _mm512_loadu_ps(kt + ((j0 / ATT_LANES) * t->D + c + d) * ATT_LANES);
-      } else {
-        for (int i = 0; i < ATT_LANES; i++)
-          k[i] = i < n ? _mm512_loadu_ps(keys + (j0 + i) * t->D + c) : _mm512_setzero_ps();
-        transpose16(k);
-      }
-      for (int d = 0; d < ATT_LANES; d++)
-        for (int s = 0; s < R; s++) acc[s] = _mm512_fmadd_ps(_mm512_set1_ps(q[s][c + d]), k[d], acc[s]);
-    }
-    for (int s = 0; s < R; s++) { /* the lanes of the row's own keys; rows are in token order, so j0 >= lo[0] */
-      int64_t from = lo[s] - j0 > 0 ? lo[s] - j0 : 0, to = hi[s] - j0 < ATT_LANES - 1 ? hi[s] - j0 : ATT_LANES - 1;
+  for (int s = 0; s < R; s++)
+    for (int b = 0; b < B; b++) {
+      int64_t from, to, at = j0 + b * ATT_LANES;
+      own_lanes(lo[s], hi[s], at, &from, &to);
       if (from > to) continue;
       __mmask16 lanes = (__mmask16)((((uint32_t)2 << to) - 1) & ~(((uint32_t)1 << from) - 1));
-      _mm512_mask_storeu_ps(scores[s] + j0 - lo[s], lanes, _mm512_mul_ps(scale, acc[s]));
+      _mm512_mask_storeu_ps(scores[s] + at - lo[s], lanes, _mm512_mul_ps(scale, acc[s][b]));
     }
+}
+
+/* scores of R rows (R a constant where inlined) for 16 keys at a time, one key a lane: each dimension of a block's
+ * keys is one load, and every row adds q[d] * key[d] over d = 0 .. D-1 in order (one fused multiply-add a
+ * dimension), so a key's score depends neither on its lane nor on the other rows, nor on the blocks taken with
+ * its own */
+AVX512 AI void avx512_scores_rows(int R, const Attention *t, const float *keys, const float **q, const int64_t *lo,
+                                  const int64_t *hi, float **scores) {
+  int64_t first, last;
+  key_span(R, lo, hi, &first, &last);
+  int64_t j0 = first / ATT_LANES * ATT_LANES, whole = (last + 1) / ATT_LANES * ATT_LANES; /* whole: blocks end */
+  for (; j0 + ATT_BLOCKS * ATT_LANES <= whole; j0 += ATT_BLOCKS * ATT_LANES)
+    avx512_blocks(R, ATT_BLOCKS, t, keys, q, lo, hi, scores, j0);
+  for (; j0 < whole; j0 += ATT_LANES) avx512_blocks(R, 1, t, keys, q, lo, hi, scores, j0);
+  if (j0 > last) return;
+  /* the last keys, fewer than a block: the lanes past the last key read nothing */
+  int64_t w = t->cap - j0 < ATT_LANES ? t->cap - j0 : ATT_LANES, n = last - j0 + 1;
+  __mmask16 keys_in = (__mmask16)(((uint32_t)1 << n) - 1);
+  const float *block = keys + j0 * t->D;
+  __m512 acc[ATT_ROWS];
+  for (int s = 0; s < R; s++) acc[s] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < t->D; d++) {
+    __m512 k = _mm512_maskz_loadu_ps(keys_in, block + d * w);
+    for (int s = 0; s < R; s++) acc[s] = _mm512_fmadd_ps(_mm512_set1_ps(q[s][d]), k, acc[s]);
+  }
+  __m512 scale = _mm512_set1_ps(t->scale);
+  for (int s = 0; s < R; s++) {
+    int64_t from, to;
+    own_lanes(lo[s], hi[s], j0, &from, &to);
+    if (from > to) continue;
+    __mmask16 lanes = (__mmask16)((((uint32_t)2 << to) - 1) & ~(((uint32_t)1 << from) - 1));
+    _mm512_mask_storeu_ps(scores[s] + j0 - lo[s], lanes, _mm512_mul_ps(scale, acc[s]));
   }
 }
 
-AVX512 static void avx512_scores(const Attention *t, const float *keys, const float *kt, int rows, const float **q,
-                                 const int64_t *lo, const int64_t *hi, float **scores) {
+AVX512 static void avx512_scores(const Attention *t, const float *keys, int rows, const float **q, const int64_t *lo,
+                                 const int64_t *hi, float **scores) {
   switch (rows) { /* constant row counts: the accumulators stay in registers */
-    case 1: avx512_scores_rows(1, t, keys, kt, q, lo, hi, scores); break;
-    case 2: avx512_scores_rows(2, t, keys, kt, q, lo, hi, scores); break;
-    case 3: avx512_scores_rows(3, t, keys, kt, q, lo, hi, scores); break;
-    default: avx512_scores_rows(4, t, keys, kt, q, lo, hi, scores); break;
+    case 1: avx512_scores_rows(1, t, keys, q, lo, hi, scores); break;
+    case 2: avx512_scores_rows(2, t, keys, q, lo, hi, scores); break;
+    case 3: avx512_scores_rows(3, t, keys, q, lo, hi, scores); break;
+    default: avx512_scores_rows(4, t, keys, q, lo, hi, scores); break;
   }
 }
 
-/* a call of more rows than one pass takes (a prompt's chunk, a verification): the group's keys 0 .. first + S - 1
- * as blocks of 16, each transposed once (block b, dimension d: its 16 keys' values, zero past the last key) into
- * this thread's scratch, so that every pass of rows reads them as they are, not transposing them again; the
- * same values in the same lanes, so the same scores. NULL (each pass transposes what it reads) with a window
- * (the rows' keys then start apart), for a call that one pass takes, or where the scratch cannot grow. */
-AVX512 static const float *avx512_keys_t(const Attention *t, const float *keys, int64_t rows) {
-  if (t->window > 0 || rows <= ATT_ROWS || t->D % ATT_LANES) return NULL;
-  int64_t n = t->first + t->S, blocks = (n + ATT_LANES - 1) / ATT_LANES;
-  float *out = scratch(&keys_scratch, (size_t)(blocks * ATT_LANES * t->D));
-  if (!out) return NULL;
-  for (int64_t b = 0; b < blocks; b++)
-    for (int64_t c = 0; c < t->D; c += ATT_LANES) {
-      __m512 k[ATT_LANES];
-      for (int i = 0; i < ATT_LANES; i++)
-        k[i] = b * ATT_LANES + i < n ? _mm512_loadu_ps(keys + (b * ATT_LANES + i) * t->D + c) : _mm512_setzero_ps();
-      transpose16(k);
-      for (int d = 0; d < ATT_LANES; d++) _mm512_storeu_ps(out + (b * t->D + c + d) * ATT_LANES, k[d]);
-    }
-  return out;
-}
-
-ATT_VARIANT(att_avx512, AVX512, avx512_scores, avx512_keys_t)
+ATT_VARIANT(att_avx512, AVX512, avx512_scores)
 #endif
 
 static HeadFn choose_attention(void) {
@@ -351,6 +330,16 @@ static void rotate(const float *x, const float *cos_cache, const float *sin_cach
     y[d] = a * c[d] - b * s[d];
     y[d + half] = b * c[d] + a * s[d];
   }
+}
+
+/* key x (D floats) rotated for position p into its place in a kv head's keys (blocks of 16, above) */
+static void put_key(const float *x, const float *cos_cache, const float *sin_cache, int64_t p, int64_t D, int64_t cap,
+                    float *keys) {
+  float y[256]; /* D <= 256 */
+  int64_t j0 = p / ATT_LANES * ATT_LANES, w = cap - j0 < ATT_LANES ? cap - j0 : ATT_LANES;
+  float *at = keys + j0 * D + (p - j0);
+  rotate(x, cos_cache, sin_cache, p, D, y);
+  for (int64_t d = 0; d < D; d++) at[d * w] = y[d];
 }
 
 /* ---- the op (included by stream_matmul.c after its ABI declarations) --------------------------------- */
@@ -445,7 +434,7 @@ static Status *attention_compute(void *kernel_data, void *context) {
     const float *k = packed ? row + H * D : (const float *)data[1] + i * KV * D;
     const float *v = packed ? row + (H + KV) * D : (const float *)data[2] + i * KV * D;
     for (int64_t g = 0; g < KV; g++) {
-      rotate(k + g * D, cos_cache, sin_cache, first + i, D, (float *)pk + (g * cap + first + i) * D);
+      put_key(k + g * D, cos_cache, sin_cache, first + i, D, cap, (float *)pk + g * cap * D);
       memcpy((float *)pv + (g * cap + first + i) * D, v + g * D, (size_t)D * sizeof(float));
     }
     for (int64_t h = 0; h < H; h++) rotate(row + h * D, cos_cache, sin_cache, first + i, D, queries + (i * H + h) * D);

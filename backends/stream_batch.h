@@ -84,7 +84,7 @@ static Status *batch_compute(void *kernel_data, void *context) {
       const float *v = packed ? row + (H + KV) * D : (const float *)data[2] + i * KV * D;
       int64_t p = first + i - offset;
       for (int64_t g = 0; g < KV; g++) {
-        rotate(k + g * D, cos_cache, sin_cache, p, D, keys + (g * cap + p) * D);
+        put_key(k + g * D, cos_cache, sin_cache, p, D, cap, keys + g * cap * D);
         memcpy(values + (g * cap + p) * D, v + g * D, (size_t)D * sizeof(float));
       }
       for (int64_t h = 0; h < H; h++) rotate(row + h * D, cos_cache, sin_cache, p, D, queries + (i * H + h) * D);

@@ -26,14 +26,14 @@
 
 /* per-thread buffers, grown once (the decode loop allocates nothing) and freed when their thread ends */
 typedef struct { float *data; size_t len; } Scratch;
-static _Thread_local Scratch scores_scratch, queries_scratch, panel_scratch, keys_scratch;
+static _Thread_local Scratch scores_scratch, queries_scratch, panel_scratch;
 #if !defined(_WIN32)
 static pthread_key_t scratch_key; /* its value: this thread's scratch, to free at the thread's exit */
 static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
 static void free_scratch(void *unused) {
   (void)unused;
-  free(scores_scratch.data), free(queries_scratch.data), free(panel_scratch.data), free(keys_scratch.data);
-  scores_scratch = queries_scratch = panel_scratch = keys_scratch = (Scratch){NULL, 0};
+  free(scores_scratch.data), free(queries_scratch.data), free(panel_scratch.data);
+  scores_scratch = queries_scratch = panel_scratch = (Scratch){NULL, 0};
 }
 static void make_scratch_key(void) { pthread_key_create(&scratch_key, free_scratch); }
 #endif

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from lossless import assert_first_two_tokens_follow, two_token_marginals
-from rlxrt.backends import compile
+from rlxrt.backends import compile, cpu_kernels
 from rlxrt.config import Config
 from rlxrt.errors import GenerationError, ProviderError
 from rlxrt.sampling import SamplingParams
@@ -405,8 +405,8 @@ def test_calibration_times_context_that_was_written():
         buf.update_inplace(np.full(buf.shape(), 7.0, np.float32))
     batch._calibrate()
     written = batching.CONTEXT_TOKENS + batching.CONTEXT_ROWS
-    for buf in batch._buffers:
-        kv = buf.numpy()[0]  # [kv_heads, capacity, head_dim] of slot 0
+    for i, buf in enumerate(batch._buffers):  # keys, values, keys, ...: keys in blocks (cpu_kernels.keys_in_order)
+        kv = buf.numpy()[0] if i % 2 else cpu_kernels.keys_in_order(buf.numpy()[0])  # [kv_heads, capacity, head_dim]
         assert (kv[:, :written] != 7.0).all() and (kv[:, written:] == 7.0).all()
 
 

@@ -125,16 +125,17 @@ def attention_model(window: int = -1, packed: bool = True, heads=(6, 2), d: int 
 def check_attention(threads: int, rng) -> float:
     """StreamAttention against ONNX Runtime's GroupQueryAttention (outputs, the keys and values written), and a
     multi-row call against one-row calls, bit for bit: head sizes 32, 64 and 80, one to three query heads a kv
-    head, windows that leave the rows of a call keys in common (5) and none (2)."""
+    head, windows that leave the rows of a call keys in common (5) and none (2), and a capacity that is not a
+    multiple of the keys' blocks of 16, the call's keys in its last, narrower block."""
     import copy
 
     import onnxruntime as ort
 
     worst = 0.0
-    cap = 64
-    for (h, kv, d, n), window, packed in [((6, 2, 32, 3), w, p) for w in (-1, 5) for p in (True, False)] + [
-            ((4, 4, 64, 5), -1, True), ((4, 2, 64, 5), 2, True), ((2, 1, 32, 5), 2, False),
-            ((4, 4, 80, 5), -1, True), ((6, 2, 80, 3), 5, False)]:  # 80: walks of fewer chunks than the most
+    for (h, kv, d, n), window, packed, cap, at in [((6, 2, 32, 3), w, p, 64, 20) for w in (-1, 5) for p in (True, False)] + [
+            ((4, 4, 64, 5), -1, True, 64, 20), ((4, 2, 64, 5), 2, True, 64, 20), ((2, 1, 32, 5), 2, False, 64, 20),
+            ((4, 4, 80, 5), -1, True, 64, 20), ((6, 2, 80, 3), 5, False, 64, 20),  # 80: walks of fewer chunks
+            ((6, 2, 64, 5), -1, True, 45, 36), ((6, 2, 64, 4), 5, False, 45, 37)]:
         model = attention_model(window, packed, (h, kv), d, cap)
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads
@@ -150,14 +151,17 @@ def check_attention(threads: int, rng) -> float:
                                                 "v": xs[..., (h + kv) * d:].copy()}
             return {**parts, "pk": k, "pv": v, "seqlens_k": np.array([at + xs.shape[1] - 1], np.int32),
                     "total": np.array(at + xs.shape[1], np.int32)}
-        want = theirs.run(None, feed(slice(0, n), 20, past[0].copy(), past[1].copy()))
-        got = ours.run(None, feed(slice(0, n), 20, past[0].copy(), past[1].copy()))
-        end = 20 + n
-        worst = max(worst, float(np.abs(got[0] - want[0]).max()), float(np.abs(got[1][:, :, :end] - want[1][:, :, :end]).max()))
+        want = theirs.run(None, feed(slice(0, n), at, past[0].copy(), past[1].copy()))
+        blocked = cpu_kernels.keys_in_blocks(past[0])  # StreamAttention keeps its keys in blocks of 16 positions
+        got = ours.run(None, feed(slice(0, n), at, blocked.copy(), past[1].copy()))
+        end = at + n
+        keys = cpu_kernels.keys_in_order(got[1])
+        worst = max(worst, float(np.abs(got[0] - want[0]).max()), float(np.abs(keys[:, :, :end] - want[1][:, :, :end]).max()))
+        assert np.array_equal(keys[:, :, :at], past[0][:, :, :at]) and np.array_equal(keys[:, :, end:], past[0][:, :, end:])
         assert np.array_equal(got[2][:, :, :end], want[2][:, :, :end])
-        k, v, rows = past[0].copy(), past[1].copy(), []
+        k, v, rows = blocked.copy(), past[1].copy(), []
         for i in range(n):
-            out, k, v = ours.run(None, feed(slice(i, i + 1), 20 + i, k, v))
+            out, k, v = ours.run(None, feed(slice(i, i + 1), at + i, k, v))
             rows.append(out)
         assert np.array_equal(np.concatenate(rows, 1), got[0]) and np.array_equal(k, got[1]), (h, kv, d, window, packed)
     return worst
