@@ -7,7 +7,9 @@ For a kernel change: keep a copy of the library before it (``backends/_stream_ma
 (``python setup.py build_ext --inplace --force``), and pass both. MODEL_DIR is a fused graph; it is compiled once
 with rlxrt's kernels (``cpu_kernels = rlxrt``), and that rewritten graph is loaded into two sessions, one per
 library, each with its own KV buffers. For each context length and row count, each repeat times ``--calls`` calls
-on one library and then on the other; printed are the medians (microseconds a call) and new / old.
+on one library and then on the other; printed are the medians (microseconds a call) and new / old. The two
+sessions can differ by themselves (where their memory lies, which was made first): pass the same library twice
+to see by how much on this machine before reading a small new / old (docs/kernels.md, stop 54).
 """
 from __future__ import annotations
 
