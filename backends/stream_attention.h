@@ -108,10 +108,10 @@ typedef int32_t att_ivec __attribute__((vector_size(ATT_LANES * 4)));
 #define ATT_VARIANT(NAME, TARGET, SCORES)                                                                    \
   ATT_EXP(NAME, TARGET)                                                                                      \
   ATT_PV(NAME, TARGET)                                                                                       \
-  TARGET static void NAME##_group(const Attention *t, int64_t g, float *scratch_rows) {                      \
+  TARGET static void NAME##_group(const Attention *t, int64_t g, int64_t pass, float *scratch_rows) {        \
     int64_t G = t->H / t->KV, R = t->S * G, stride = t->cap + ATT_LANES;                                     \
     const float *keys = t->keys + g * t->cap * t->D, *values = t->values + g * t->cap * t->D;                \
-    for (int64_t r0 = 0; r0 < R; r0 += ATT_ROWS) {                                                           \
+    for (int64_t r0 = pass * ATT_ROWS; r0 < R && r0 < (pass + 1) * ATT_ROWS; r0 += ATT_ROWS) {                \
       int rows = (int)(R - r0 < ATT_ROWS ? R - r0 : ATT_ROWS);                                               \
       const float *q[ATT_ROWS] = {0};                                                                        \
       int64_t lo[ATT_ROWS] = {0}, hi[ATT_ROWS] = {0}, shared_lo = 0, shared_hi = INT64_MAX;                  \
@@ -231,7 +231,11 @@ static void generic_scores(const Attention *t, const float *keys, int rows, cons
   }
 }
 
-typedef void (*HeadFn)(const Attention *, int64_t, float *);
+typedef void (*HeadFn)(const Attention *, int64_t, int64_t, float *);
+
+/* a call's passes of ATT_ROWS rows over one kv group: each one task of its own, so that a call of few kv
+ * groups and many rows (a verification, a prompt's chunk) keeps every thread busy */
+static inline int64_t att_passes(const Attention *t) { return (t->S * (t->H / t->KV) + ATT_ROWS - 1) / ATT_ROWS; }
 
 ATT_VARIANT(att_generic, , generic_scores)
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -351,10 +355,11 @@ static HeadFn attention_head;
 
 typedef struct { const Attention *t; int failed; } AttentionJob;
 
-static void attention_task(void *data, size_t group) {
+static void attention_task(void *data, size_t i) {
   AttentionJob *job = data;
+  int64_t passes = att_passes(job->t);
   float *scores = scratch(&scores_scratch, ATT_ROWS * ((size_t)job->t->cap + ATT_LANES)); /* whole vectors */
-  if (scores) attention_head(job->t, (int64_t)group, scores);
+  if (scores) attention_head(job->t, (int64_t)i / passes, (int64_t)i % passes, scores);
   else __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
 }
 
@@ -441,7 +446,8 @@ static Status *attention_compute(void *kernel_data, void *context) {
   }
   Attention task = {queries, pk, pv, out, S, H, KV, D, cap, first, kernel->window, kernel->scale};
   AttentionJob job = {&task, 0};
-  s = CALL(api, KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(context, attention_task, (size_t)KV, 0, &job);
+  size_t count = (size_t)(KV * att_passes(&task)); /* a task a kv group and pass */
+  s = CALL(api, KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(context, attention_task, count, 0, &job);
   if (!s && job.failed) s = fail(api, ORT_FAIL, "StreamAttention: out of memory");
   return s;
 }

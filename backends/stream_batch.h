@@ -9,13 +9,17 @@
  * sequences of the call: a batch is T rows to every other op of the graph, which computes a row the same among
  * any others. A slot appears at most once a call.
  */
-typedef struct { const Attention *tasks; int64_t groups; int failed; } BatchJob;
+typedef struct { const Attention *tasks; const int64_t *starts; int failed; } BatchJob;
 
+/* task i: sequence n where starts[n] <= i < starts[n + 1], then its kv group and pass (att_passes) */
 static void batch_task(void *data, size_t i) {
   BatchJob *job = data;
-  const Attention *t = &job->tasks[i / (size_t)job->groups];
+  int64_t n = 0;
+  while (job->starts[n + 1] <= (int64_t)i) n++;
+  const Attention *t = &job->tasks[n];
+  int64_t passes = att_passes(t), local = (int64_t)i - job->starts[n];
   float *scores = scratch(&scores_scratch, ATT_ROWS * ((size_t)t->cap + ATT_LANES));
-  if (scores) attention_head(t, (int64_t)(i % (size_t)job->groups), scores);
+  if (scores) attention_head(t, local / passes, local % passes, scores);
   else __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
 }
 
@@ -70,10 +74,14 @@ static Status *batch_compute(void *kernel_data, void *context) {
   const float *x = data[0], *cos_cache = data[6], *sin_cache = data[7];
   float *queries = scratch(&queries_scratch, (size_t)(T * H * D));
   Attention stack[BATCH_STACK], *tasks = N <= BATCH_STACK ? stack : malloc((size_t)N * sizeof(Attention));
-  if (!queries || !tasks) {
+  int64_t stack_starts[BATCH_STACK + 1];
+  int64_t *starts = N <= BATCH_STACK ? stack_starts : malloc((size_t)(N + 1) * sizeof(int64_t));
+  if (!queries || !tasks || !starts) {
     if (tasks && tasks != stack) free(tasks);
+    if (starts && starts != stack_starts) free(starts);
     return fail(api, ORT_FAIL, "StreamAttentionBatch: out of memory");
   }
+  starts[0] = 0;
   int64_t offset = 0;
   for (int64_t n = 0; n < N; n++) {
     int64_t slot = seq[3 * n], first = seq[3 * n + 1], S = seq[3 * n + 2];
@@ -91,12 +99,14 @@ static Status *batch_compute(void *kernel_data, void *context) {
     }
     tasks[n] = (Attention){queries + offset * H * D, keys, values, (float *)out + offset * H * D, S, H, KV, D, cap,
                            first, kernel->window, kernel->scale};
+    starts[n + 1] = starts[n] + KV * att_passes(&tasks[n]);
     offset += S;
   }
-  BatchJob job = {tasks, KV, 0};
-  s = CALL(api, KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(context, batch_task, (size_t)(N * KV), 0, &job);
+  BatchJob job = {tasks, starts, 0};
+  s = CALL(api, KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(context, batch_task, (size_t)starts[N], 0, &job);
   if (!s && job.failed) s = fail(api, ORT_FAIL, "StreamAttentionBatch: out of memory");
   if (tasks != stack) free(tasks);
+  if (starts != stack_starts) free(starts);
   return s;
 }
 
