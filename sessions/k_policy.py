@@ -338,20 +338,18 @@ class Guard:
     plain steps: what drafting costs outside the steps counted, the drafts' prompts and catching up, is not
     measured). After ``explore`` windows in the better mode it tries the other for one window, then runs one more
     in the better mode, and compares the try with the mean of the windows just before and after it: the machine's
-    speed drifts (by tens of percent over seconds on a shared VM), so a try measured now is compared with the
-    kept mode measured around it, never with a rate measured long before (which made a kept mode whose fresh rate
-    fell with the machine's look worse than the other's stale one, and switch). A window's rate leaves out its
-    step of the lowest rate: a few steps take far longer than the rest in either mode (a request arriving, the
-    machine), and one of them moved an 8-step window's rate by tens of percent, so that the choice followed them
-    (docs/performance.md, "Stop 53"). A try that confirms the choice doubles ``explore``, up to ``explore_max``
-    (a try costs what the worse mode loses, so a settled choice is tried less and less often); one that finds the
-    other mode better is made again at once, and two in a row switch to it and start over at ``explore`` (one
-    window against two is a coin's toss where the modes are a few percent apart: a switch on one such toss spent
-    a third of a server's steps in the worse mode). A step counts with the mode its sequences drafted in, its
-    whole time (the gap before it and its run) and the tokens its rounds emitted; the batch leaves out steps that
-    hold a prompt's chunk, whose time says nothing of drafting. The first ``settle`` steps after a switch do not
-    count either: a speculator catches up then on what it did not read while the other mode ran (a head reads
-    every row since its last proposal), a cost of switching, not of the mode."""
+    speed drifts, so a try measured now is compared with the kept mode measured around it, never with a rate
+    measured long before. A window's rate leaves out its step of the lowest rate (``TRIM_FROM``): a few steps
+    take far longer than the rest in either mode (a request arriving, the machine), and the choice would follow
+    them. A try that confirms the choice doubles ``explore``, up to ``explore_max`` (a try costs what the worse
+    mode loses, so a settled choice is tried less and less often); one that finds the other mode better is made
+    again at once, and two in a row switch to it and start over at ``explore`` (one window against two is a
+    coin's toss where the modes are a few percent apart; docs/performance.md, "Stop 53"). A step counts with the
+    mode its sequences drafted in, its whole time (the gap before it and its run) and the tokens its rounds
+    emitted; the batch leaves out steps that hold a prompt's chunk, whose time says nothing of drafting. The
+    first ``settle`` steps after a switch do not count either: a speculator catches up then on what it did not
+    read while the other mode ran (a head reads every row since its last proposal), a cost of switching, not of
+    the mode."""
 
     def __init__(self, window: int = 16, explore: int = 4, settle: int = 1, explore_max: int = 16,
                  margin: float = 0.03):
