@@ -70,11 +70,12 @@ class Knows(Speculator):
 
 
 class SlowlyWrong(Knows):
-    """Every draft a miss, and each drafted token costs 2 ms (well above the timing noise of a busy VM)."""
+    """Every draft a miss, and each drafted token costs 10 ms: well above what a busy machine adds to a round
+    (CI once saw a round that drafted 1 token take longer than the ones that drafted 2 at 2 ms a token)."""
 
     def propose(self, ctx, k):
         proposal = super().propose(ctx, k)
-        time.sleep(2e-3 * len(proposal.tokens))
+        time.sleep(10e-3 * len(proposal.tokens))
         return proposal
 
 
