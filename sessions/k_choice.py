@@ -20,7 +20,10 @@ an extrapolated token never costs less than 1 % of a round (a timing blip that m
 look cheaper must not make every k look free, which sent a source that drafts nothing right to k_max). A round
 counts at most ``CLIP`` times what its k was expected to cost: a k's mean moves only when that k is drafted, so
 one slow round (a preempted thread, a pause) counted whole could make a k look dear for good and keep a source
-at a k far below its best; a k that really costs more is still learnt, in a few rounds.
+at a k far below its best; a k that really costs more is still learnt, in a few rounds. Last, a round that
+drafts a token fewer is taken to cost at least 1 % of a round less (as an extrapolated one does): a k is
+re-measured only when it is chosen, so one slow round at a k below the one kept (measured again and again)
+could otherwise make the smaller k look dearer for good, and keep a source that drafts nothing right at k=2.
 With several draft sources (a Cascade) each source has its own estimates and its own k. The choice only
 changes how many tokens are drafted, never how they are accepted: output stays exactly the target's.
 """
@@ -101,6 +104,8 @@ class KChoice:
                 i = bisect.bisect(seen, k)
                 lo, hi = seen[i - 1], seen[i]
                 out[k] = mean[lo] + (mean[hi] - mean[lo]) * (k - lo) / (hi - lo)
+        for k in range(len(out) - 2, 0, -1):  # a token fewer saves at least MIN_SLOPE of a round
+            out[k] = min(out[k], out[k + 1] * (1.0 - MIN_SLOPE))
         return out
 
     def _best(self, source: int) -> int:

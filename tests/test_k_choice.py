@@ -100,3 +100,18 @@ def test_a_k_dearer_than_predicted_is_still_learnt():
         c.observe(2, 1, cost(2) * MS)
     c.observe(8, 1, cost(8) * MS)  # as if the prediction had sent it there
     assert feed(c, 8, half, cost) <= 2
+
+
+def test_one_slow_round_at_a_smaller_k_does_not_pin_the_larger():
+    """Nothing accepted; a round costs 0.6 ms plus 2 ms a drafted token. The first round at k=1 is slowed (by
+    more than its clip): without a cost that falls with k, k=1 looked dearer than k=2 and was never drafted
+    again to correct it (CI saw this, as a Cascade's second source kept at k=2); with it, k goes to 1 once the
+    acceptance estimate has fallen (a few rounds)."""
+    cost = lambda k: 0.6 + 2.0 * k  # noqa: E731
+    c = KChoice(2, 8)
+    for _ in range(2):
+        c.observe(2, 0, cost(2) * MS)
+    assert c.ks[0] == 1
+    c.observe(1, 0, 3 * cost(1) * MS)
+    assert c.ks[0] == 2
+    assert feed(c, 20, lambda k: 0, cost) == 1
