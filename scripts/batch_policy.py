@@ -5,9 +5,10 @@
 
 Every repeat runs N Sessions once for each variant, in an order that alternates per repeat: ``none`` (plain
 decoding), ``plan`` (the batch plans each round's k, as it serves), ``fixedK`` (every round drafts K, the
-plan and guards bypassed). It prints each variant's median tokens a second and the median of its ratio to
-the first variant *within each repeat*: this VM's speed drifts by tens of percent over minutes, and a ratio
-of two runs seconds apart drifts much less than one of two medians. To compare two versions of the code,
+plan and guards bypassed; ``fixed0``: Sessions with the speculator that never draft, which is what the
+speculative machinery costs by itself). It prints each variant's median tokens a second and the median of its
+ratio to the first variant *within each repeat*: this VM's speed drifts by tens of percent over minutes, and a
+ratio of two runs seconds apart drifts much less than one of two medians. To compare two versions of the code,
 run it once on each (``PYTHONPATH`` pointing at the other one's package) and compare the ratios.
 """
 from __future__ import annotations
