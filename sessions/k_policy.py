@@ -30,6 +30,7 @@ accurate one goes on.
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -328,6 +329,8 @@ class DraftCost:
 
 TRIM_FROM = 4
 """A guard's window of at least this many steps leaves out its step of the lowest rate (``Guard``)."""
+TRY_BUDGET = 0.01
+"""The share of a settled guard's rate its tries of the worse mode may cost (``Guard``)."""
 
 
 class Guard:
@@ -349,14 +352,20 @@ class Guard:
     emitted; the batch leaves out steps that hold a prompt's chunk, whose time says nothing of drafting. The
     first ``settle`` steps after a switch do not count either: a speculator catches up then on what it did not
     read while the other mode ran (a head reads every row since its last proposal), a cost of switching, not of
-    the mode."""
+    the mode. A try that confirms the choice by a wide margin also spaces the next one so that tries cost at
+    most ``budget`` of the rate (a try window in a mode that serves a fraction f less, once every E + 2 windows,
+    costs about f / (E + 2)), up to ``explore_far`` windows: where drafting serves 40 % less, tries come every
+    ~38 windows, not every 16; where the modes are a few percent apart, doubling alone spaces them, and a try
+    that confirms by a small margin brings the spacing back to what doubling gives."""
 
     def __init__(self, window: int = 16, explore: int = 4, settle: int = 1, explore_max: int = 16,
-                 margin: float = 0.03):
-        self.window, self.settle, self.margin = window, settle, margin
+                 margin: float = 0.03, explore_far: int = 64, budget: float = TRY_BUDGET):
+        self.window, self.settle, self.margin, self.budget = window, settle, margin, budget
         self.explore_min, self.explore_max = explore, max(explore, explore_max)
+        self.explore_far = max(self.explore_max, explore_far)
         self.explore = explore
-        """Windows in the better mode before the other is tried again (doubles while tries confirm it)."""
+        """Windows in the better mode before the other is tried again (doubles while tries confirm it, or more
+        where a try lost much)."""
         self._settling = 0
         self.drafting = True
         self.rates: dict[bool, float | None] = {True: None, False: None}
@@ -395,7 +404,9 @@ class Guard:
             best = drafts > plain * (1 + self.margin)
             if best == drafting:
                 if self._phase == "close" and not self._doubt:
-                    self.explore = min(2 * self.explore, self.explore_max)
+                    loss = 1.0 - min(drafts, plain) / max(drafts, plain, 1e-9)  # what a try of the other mode lost
+                    self.explore = max(min(2 * self.explore, self.explore_max),
+                                       min(math.ceil(loss / self.budget) - 2, self.explore_far))
                 self._doubt = False
                 self._kept, self._phase, self._before = 1, "keep", rate
             elif self._phase == "close" and not self._doubt:  # tried again at once: a switch takes two in a row

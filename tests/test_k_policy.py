@@ -194,8 +194,8 @@ def test_the_guard_keeps_the_mode_that_serves_more(drafting_pays):
 def test_a_settled_choice_is_tried_less_and_less_often_and_a_change_is_still_followed():
     """Each try of the worse mode that confirms the choice doubles the windows before the next (a try costs
     what the worse mode loses), up to explore_max; once the other mode pays more, the first try finds it and
-    the guard keeps it."""
-    guard = Guard(window=4, explore=4, settle=0, explore_max=16)
+    the guard keeps it. (A budget of the whole rate leaves the spacing to doubling alone.)"""
+    guard = Guard(window=4, explore=4, settle=0, explore_max=16, budget=1.0)
     windows = []
 
     def run(steps, pays):
@@ -217,6 +217,31 @@ def test_a_settled_choice_is_tried_less_and_less_often_and_a_change_is_still_fol
     close = first + 12  # the window after the second try, in the mode it leaves
     tries = [i for i in range(close + 4, len(windows), 4) if windows[i]]  # drafting is now the one tried
     assert [b - a for a, b in zip([close] + tries, tries)][:3] == [4 * 5, 4 * 9, 4 * 17], windows
+
+
+def test_tries_of_a_mode_that_loses_by_far_are_spaced_by_what_they_lose():
+    """Plain steps serve 10 tokens a second and drafting 6 (a small pair under load): each try of drafting
+    costs 40 % of a window, so after the first that confirms plain steps the next comes 38 windows on (a 1 %
+    budget), not 8, and the worse mode's share of the windows stays near 1/40. Where drafting then pays, the
+    next try finds it and the guard switches."""
+    guard = Guard(window=4, explore=4, settle=0, explore_max=16, explore_far=64, budget=0.01)
+    windows = []
+
+    def run(steps, plain_rate, drafting_rate):
+        for _ in range(steps):
+            mode = guard.drafting
+            windows.append(mode)
+            guard.step(mode, 1.0, drafting_rate if mode else plain_rate)
+
+    run(4 * 300, 10, 6)
+    tries = [i for i in range(4, len(windows), 4) if windows[i] and not windows[i - 4]]
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert windows[4 * 5] and set(gaps) == {4 * 39}, gaps  # the first try after 4 kept windows, then 38 and its close
+    assert guard.explore == 38
+    assert sum(windows[400:]) / len(windows[400:]) <= 1 / 30
+    windows.clear()
+    run(4 * 60, 10, 14)  # drafting pays now: the next try (at most 38 windows on) finds it, and again at once
+    assert windows.index(True) <= 4 * 40 and guard.drafting
 
 
 def test_a_try_is_judged_against_the_windows_around_it_not_a_rate_measured_long_before():
