@@ -175,6 +175,7 @@ def test_bench_serve_and_soak_commands(tmp_path):
     assert report["rows"]["batch plain"]["2"]["vs_plain"] == 1.0 and (out / "bench-serve.png").stat().st_size
     assert set(report["batches"]) == {label for label in servers if label.startswith("batch")}  # pools have none
     assert report["batches"]["batch draft k=2"]["steps"] > 0
+    assert len(report["rows"]["batch draft k=2"]["2"]["vs_plain_runs"]) == 1  # one repeat: one paired ratio
     assert "| batch draft k=2 | 2 |" in run.stdout and "| pool draft k=2 adaptive | 2 |" in run.stdout
     run = subprocess.run([sys.executable, "-m", "rlxrt", "bench-serve", "--soak", "24", "--concurrency", "4",
                           "--max-tokens", "12", "--out", str(out)], capture_output=True, text=True, timeout=300)
@@ -209,6 +210,29 @@ def test_bench_serve_measures_an_external_server_beside_its_own(tmp_path):
     row = report["rows"]["other"]["2"]
     assert row["tokens_per_second"] > 0 and row["vs_plain"] == 1.0 and row["speedup"] > 0
     assert "| other | 2 |" in run.stdout
+
+
+def test_bench_serve_pairs_each_repeat_with_its_own_plain_run():
+    """The machine drifts between repeats: each repeat's speculative run is divided by its engine's plain run of
+    the same repeat, and the median of those ratios is reported beside the ratio of the medians."""
+    import argparse
+
+    from rlxrt.app.serve.loadgen import _report, format_table
+
+    def run(rate):
+        return {"tokens_per_second": rate, "ttft_p50": 0.01, "ttft_p95": 0.02, "latency_p50": 0.1,
+                "latency_p95": 0.2, "acceptance_rate": 0.5}
+
+    plain, spec = [100.0, 200.0, 400.0], [110.0, 190.0, 480.0]  # the machine doubles its speed each repeat
+    runs = {"batch plain": {2: [run(r) for r in plain]}, "batch draft k=2": {2: [run(r) for r in spec]}}
+    args = argparse.Namespace(engines="batch", external=[], workers=2, threads=1, requests=8, max_tokens=16,
+                              repeats=3, target=None, adaptive_k=False)
+    report = _report(args, [2], runs, "draft", [2])
+    row = report["rows"]["batch draft k=2"]["2"]
+    assert row["vs_plain"] == 0.95  # 190 / 200: the medians come from different repeats
+    assert row["vs_plain_runs"] == [1.1, 0.95, 1.2] and row["vs_plain_paired"] == 1.1
+    assert report["rows"]["batch plain"]["2"]["vs_plain_paired"] == 1.0
+    assert "| batch draft k=2 | 2 | 190 | 0.95x | 0.95x | 1.10x (0.95-1.20) |" in format_table(report)
 
 
 @pytest.mark.parametrize("spec", ["llamacpp", "=http://x", "llamacpp=ftp://x", "a=b"])

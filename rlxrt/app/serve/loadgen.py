@@ -338,6 +338,9 @@ def _report(args, levels, runs, name, ks) -> dict[str, Any]:
             row = rows[label][str(c)]
             row["speedup"] = round(row["tokens_per_second"] / rows[first][str(c)]["tokens_per_second"], 3)
             row["vs_plain"] = round(row["tokens_per_second"] / rows[plain][str(c)]["tokens_per_second"], 3)
+            paired = [r["tokens_per_second"] / p["tokens_per_second"] for r, p in zip(runs[label][c], runs[plain][c])]
+            row["vs_plain_paired"] = round(median(paired), 3)  # each repeat against its own plain run: the
+            row["vs_plain_runs"] = [round(x, 3) for x in paired]  # machine's drift between repeats cancels
     return {"config": {"engines": args.engines, "external": list(args.external), "baseline": first,
                        "batch_sequences": max(levels),
                        "workers": args.workers, "threads_per_worker": args.threads, "requests": args.requests,
@@ -345,21 +348,28 @@ def _report(args, levels, runs, name, ks) -> dict[str, Any]:
                        "target": Path(args.target).name if args.target else "shipped reference target",
                        "speculator": name,
                        "ks": [k or (2 if model_of(name) else 4) for k in ks], "adaptive_k": args.adaptive_k},
-            "rows": rows, "note": "medians over interleaved repeats; tokens/s is all clients' tokens over wall time"}
+            "rows": rows, "note": "medians over interleaved repeats; tokens/s is all clients' tokens over wall time; "
+                                  "vs_plain_paired: the median over repeats of each repeat's ratio to its engine's plain "
+                                  "run of the same repeat (vs_plain_runs)"}
 
 
 def format_table(report: dict[str, Any]) -> str:
     rows = report["rows"]
     base = report["config"].get("baseline", "plain")
-    lines = [f"| server | clients | tok/s | vs {base} | vs its engine's plain | TTFT p50 / p95 (ms) | "
-             "latency p50 / p95 (s) | acceptance |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [f"| server | clients | tok/s | vs {base} | vs its engine's plain | paired (range) | TTFT p50 / p95 (ms) | "
+             "latency p50 / p95 (s) | acceptance |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for label, per in rows.items():
         for c, r in per.items():
             lines.append(f"| {label} | {c} | {r['tokens_per_second']:.0f} | {r.get('speedup', 1.0):.2f}x | "
-                         f"{r.get('vs_plain', 1.0):.2f}x | "
+                         f"{r.get('vs_plain', 1.0):.2f}x | {_paired(r)} | "
                          f"{1000 * r['ttft_p50']:.0f} / {1000 * r['ttft_p95']:.0f} | "
                          f"{r['latency_p50']:.2f} / {r['latency_p95']:.2f} | {r['acceptance_rate']:.2f} |")
     return "\n".join(lines)
+
+
+def _paired(row: dict[str, Any]) -> str:
+    runs = row.get("vs_plain_runs") or [1.0]
+    return f"{row.get('vs_plain_paired', 1.0):.2f}x ({min(runs):.2f}-{max(runs):.2f})"
 
 
 def _chart(report: dict[str, Any], path: Path) -> None:
