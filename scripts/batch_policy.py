@@ -10,6 +10,12 @@ speculative machinery costs by itself). It prints each variant's median tokens a
 ratio to the first variant *within each repeat*: this VM's speed drifts by tens of percent over minutes, and a
 ratio of two runs seconds apart drifts much less than one of two medians. To compare two versions of the code,
 run it once on each (``PYTHONPATH`` pointing at the other one's package) and compare the ratios.
+
+``--requests R``: each Session runs R requests one after another (prompts cycling through the shipped ones), so
+that requests join and leave mid-flight as a server's do, each with its prompt's chunks; with 1 (the default)
+all start and end together. The variants share one Batch, and so its guards, unless ``--separate`` gives each
+its own (and its own draft's Batch): then no variant's steps reach another's guard, which matters where the plan
+is measured beside fixed ks.
 """
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ import gc
 import os
 import statistics
 import sys
+import threading
+import time
 
 from batch_vs_openvino import generate_at_once
 
@@ -33,6 +41,8 @@ def main() -> int:
     p.add_argument("-k", type=int, default=3)
     p.add_argument("--variants", default="none,plan,fixed2")
     p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--requests", type=int, default=1)
+    p.add_argument("--separate", action="store_true")
     args = p.parse_args()
 
     import rlxrt
@@ -44,11 +54,15 @@ def main() -> int:
 
     every = rlxrt.Config(intra_op_threads=os.cpu_count() or 1, cpu_kernels="rlxrt")
     one = rlxrt.Config(intra_op_threads=1, cpu_kernels="rlxrt")
-    n = args.sessions
-    batch = Batch(args.target, every, slots=n)
-    helper = Batch(args.draft, every, slots=n, calibrate=False) if args.draft else \
-        compile(args.head, one) if args.head else None
-    texts = prompts_of(argparse.Namespace(prompt_file=None), n)[:n]
+    n, variants = args.sessions, args.variants.split(",")
+
+    def engines():
+        return Batch(args.target, every, slots=n), Batch(args.draft, every, slots=n, calibrate=False) \
+            if args.draft else compile(args.head, one) if args.head else None
+
+    shared = engines()
+    pairs = {v: engines() if args.separate else shared for v in variants}
+    texts = prompts_of(argparse.Namespace(prompt_file=None), n * args.requests)
     planned = batching.Slot.k_cap
 
     def fixed_k(k: int):
@@ -60,24 +74,28 @@ def main() -> int:
             return max(slot.caps, default=0)
         return k_cap
 
-    def run(variant: str) -> float:
+    def run(variant: str, rep: int) -> float:
         batching.Slot.k_cap = planned  # every round drafts K, whatever the plan and the guards say:
         if variant.startswith("fixed"):
             batching.Slot.k_cap = fixed_k(int(variant[5:]))
         kind = "none" if variant == "none" else args.speculator
+        batch, helper = pairs[variant]
         sessions = [Session(batch, build(kind, helper, one), every, **({"k": args.k} if kind != "none" else {}))
-                    for _ in texts]
-        prompts = [s.prompt_ids(t) for s, t in zip(sessions, texts)]
-        out, wall = generate_at_once(sessions, prompts, args.tokens)
+                    for _ in range(n)]
+        if args.requests == 1:
+            prompts = [s.prompt_ids(t) for s, t in zip(sessions, texts)]
+            out, wall = generate_at_once(sessions, prompts, args.tokens)
+            tokens = sum(len(o.token_ids) for o in out)
+        else:
+            tokens, wall = in_turn(sessions, rep, args.requests, args.tokens, texts)
         del sessions
         gc.collect()
-        return sum(len(o.token_ids) for o in out) / wall
+        return tokens / wall
 
-    variants = args.variants.split(",")
     rates: dict[str, list[float]] = {v: [] for v in variants}
     for rep in range(args.repeats):
         for v in variants if rep % 2 == 0 else variants[::-1]:
-            rates[v].append(run(v))
+            rates[v].append(run(v, rep))
         print(f"  repeat {rep + 1}: " + ", ".join(f"{v} {r[-1]:.0f}" for v, r in rates.items()), file=sys.stderr)
     first = rates[variants[0]]
     print(f"| variant | tok/s (median) | vs {variants[0]}, paired (median) | min | max |\n| --- | --- | --- | --- | --- |")
@@ -86,6 +104,26 @@ def main() -> int:
         print(f"| {v} | {statistics.median(r):.1f} | {statistics.median(paired):.3f}x | {min(paired):.2f} | "
               f"{max(paired):.2f} |")
     return 0
+
+
+def in_turn(sessions, rep: int, requests: int, max_tokens: int, texts: list[str]) -> tuple[int, float]:
+    """Each Session runs ``requests`` requests one after another on its own thread, all Sessions at once (the
+    prompts shift by one each repeat): (the tokens generated, the wall time)."""
+    counts = [0] * len(sessions)
+
+    def one(i: int) -> None:
+        for r in range(requests):
+            text = texts[(rep + i * requests + r) % len(texts)]
+            g = sessions[i].generate(sessions[i].prompt_ids(text), max_new_tokens=max_tokens, ignore_eos=True)
+            counts[i] += len(g.token_ids)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(sessions))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(counts), time.perf_counter() - t0
 
 
 if __name__ == "__main__":
