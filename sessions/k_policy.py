@@ -360,6 +360,8 @@ class Guard:
 
     def __init__(self, window: int = 16, explore: int = 4, settle: int = 1, explore_max: int = 16,
                  margin: float = 0.03, explore_far: int = 64, budget: float = TRY_BUDGET):
+        if not budget > 0:
+            raise ValueError(f"a guard's budget for its tries is a share of the rate above 0, got {budget!r}")
         self.window, self.settle, self.margin, self.budget = window, settle, margin, budget
         self.explore_min, self.explore_max = explore, max(explore, explore_max)
         self.explore_far = max(self.explore_max, explore_far)
