@@ -244,6 +244,11 @@ def test_tries_of_a_mode_that_loses_by_far_are_spaced_by_what_they_lose():
     assert windows.index(True) <= 4 * 40 and guard.drafting
 
 
+def test_a_guard_refuses_a_budget_that_is_not_a_share_above_zero():
+    with pytest.raises(ValueError, match="above 0"):
+        Guard(budget=0.0)
+
+
 def test_a_try_is_judged_against_the_windows_around_it_not_a_rate_measured_long_before():
     """Drafting serves 8 % more than plain steps all along, while the machine slows by half every 60 windows:
     each try of plain steps is compared with drafting measured just before and after it, so the guard keeps
