@@ -24,10 +24,8 @@ import gc
 import os
 import statistics
 import sys
-import threading
-import time
 
-from batch_vs_openvino import generate_at_once
+from batch_vs_openvino import at_once, generate_at_once
 
 
 def main() -> int:
@@ -117,13 +115,8 @@ def in_turn(sessions, rep: int, requests: int, max_tokens: int, texts: list[str]
             g = sessions[i].generate(sessions[i].prompt_ids(text), max_new_tokens=max_tokens, ignore_eos=True)
             counts[i] += len(g.token_ids)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(sessions))]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sum(counts), time.perf_counter() - t0
+    wall = at_once(len(sessions), one)
+    return sum(counts), wall
 
 
 if __name__ == "__main__":

@@ -24,6 +24,17 @@ from pathlib import Path
 from statistics import median
 
 
+def at_once(n: int, one) -> float:
+    """``one(i)`` for i < n, each on its own thread, all at once: the wall time."""
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def generate_at_once(sessions, prompts, max_tokens) -> tuple[list, float]:
     """Each Session generates for its prompt on its own thread, all at once: (the Generations, the wall time)."""
     out: list = [None] * len(prompts)
@@ -31,13 +42,7 @@ def generate_at_once(sessions, prompts, max_tokens) -> tuple[list, float]:
     def one(i):
         out[i] = sessions[i].generate(prompts[i], max_new_tokens=max_tokens, ignore_eos=True)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out, time.perf_counter() - t0
+    return out, at_once(len(prompts), one)
 
 
 def rlxrt_batch(batch, make_spec, config, prompts, max_tokens, k=None) -> float:
