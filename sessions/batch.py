@@ -36,6 +36,7 @@ from rlxrt.checks import as_int
 from rlxrt.errors import GenerationError
 from rlxrt.limits import K_MAX
 
+from .driver import Driver, running
 from .k_policy import Acceptance, DraftCost, Guard, Sequence, StepCost, plan_ks
 from .kv import GraphModel, check_room, draft_vocab_ids
 
@@ -126,6 +127,9 @@ class Batch:
         self._active = 0
         self._recount = False  # a slot's ``active`` changed since ``_active`` was counted
         self._running = False
+        self.driver: Driver | None = None
+        """The Driver whose thread runs this batch's steps, from its first task's hand-in on (None: the Sessions'
+        own threads do)."""
         self.steps = 0
         self.calls = 0
         """Slots' calls the steps have run (more than ``steps`` where steps held several sequences)."""
@@ -201,18 +205,24 @@ class Batch:
     def submit(self, slot: "Slot", tokens: np.ndarray, rows: int) -> None:
         """Hand in ``tokens`` of ``slot`` (its last ``rows`` rows wanted) and wait until a step has run them all;
         the rows are then in the slot's buffers."""
+        driver = running()
+        if driver is None and self.driver is not None:
+            raise GenerationError("this Batch is served by a Driver's thread; run every Session on it as a task of "
+                                  "that driver (rlxrt.sessions.Driver)")
         with self._cond:
             slot.pending, slot.fed, slot.want, slot.error = tokens, 0, rows, None
             slot.since = time.perf_counter()  # a hand-in wakes nobody: the one that completes a step runs it
-            while slot.pending is not None:
+            while driver is None and slot.pending is not None:
                 if self._running:  # the step's end wakes every waiter
                     self._cond.wait()
                 elif self._ready():
                     self._step()
                 else:  # until a step's end, an idle slot, or the gathering time is up
                     self._cond.wait(max(self._gather_left(), 0.001))
-            if slot.error is not None:
-                raise slot.error
+        if driver is not None:  # the driver runs the step once every task waits for one
+            driver.wait(self, slot)
+        if slot.error is not None:
+            raise slot.error
 
     def _gather_left(self) -> float:
         waiting = [s.since for s in self._all if s.pending is not None]

@@ -1,0 +1,137 @@
+"""One thread decodes many Sessions on Batches: each request is a task (a greenlet) of a ``Driver``, and where a
+task's round hands its tokens to a Batch the task pauses and the driver runs the next one; once every task waits
+for a step, the driver runs the step and resumes the tasks it served, in turn.
+
+Under threads (one per Session) a step wakes every Session's thread, and they run their rounds one after the
+other under the interpreter lock: each hand-over is a wake-up of a sleeping thread, which costs several times
+the round's own Python on a small model (docs/performance.md, "Stop 57"). A driver's tasks switch without the
+operating system. What a task runs is the same code (``Batch.submit`` pauses it where a thread would wait), so
+the same steps run and every output is the same.
+
+A Batch is either a driver's or its threads': a task that hands in to a Batch another driver serves, or a thread
+that hands in to a driven one, is refused. A task may block only in a Batch's steps: anything else it waits for
+stalls every task of its driver.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import TYPE_CHECKING, Callable
+
+from rlxrt.errors import GenerationError
+
+if TYPE_CHECKING:
+    from .batch import Batch, Slot
+
+log = logging.getLogger("rlxrt")
+_local = threading.local()
+
+
+def running() -> "Driver | None":
+    """The driver whose task runs on this thread now (None: none does)."""
+    driver = getattr(_local, "driver", None)
+    return driver if driver is not None and driver._in_task() else None
+
+
+class Driver:
+    """Tasks on the thread that made it (see the module's text): ``spawn`` them, then ``cycle`` (or ``run``)."""
+
+    def __init__(self):
+        import greenlet
+
+        if getattr(_local, "driver", None) is not None:
+            raise GenerationError("this thread already has a Driver; one thread runs one driver's tasks")
+        self._greenlet = greenlet
+        self._hub = greenlet.getcurrent()
+        self._thread = threading.get_ident()
+        self._runnable: deque = deque()
+        self._waiting: list[tuple["Batch", "Slot", object]] = []
+        self.live = 0
+        """Tasks started and not ended."""
+        self.steps = 0
+        _local.driver = self
+
+    def _in_task(self) -> bool:
+        return self._greenlet.getcurrent() is not self._hub
+
+    def _check_thread(self) -> None:
+        if threading.get_ident() != self._thread:
+            raise GenerationError("a Driver's tasks are started and run on the thread that made it")
+
+    def spawn(self, fn: Callable, *args) -> None:
+        """Start ``fn(*args)`` as a task: it runs at the next ``cycle``. What it raises is logged, and ends it
+        alone."""
+        self._check_thread()
+
+        def task():
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("a task of the driver failed")
+            finally:
+                self.live -= 1
+
+        self.live += 1
+        self._runnable.append(self._greenlet.greenlet(task, parent=self._hub))
+
+    def wait(self, batch: "Batch", slot: "Slot") -> None:
+        """Pause the running task until a step has run ``slot``'s pending tokens (``Batch.submit``)."""
+        if batch.driver is None:
+            batch.driver = self
+        elif batch.driver is not self:
+            raise GenerationError("this Batch is served by another Driver's thread; run every Session on it as a "
+                                  "task of that driver")
+        self._waiting.append((batch, slot, self._greenlet.getcurrent()))
+        self._hub.switch()
+
+    def cycle(self) -> None:
+        """Run every task that can run until each ends or waits for a step, then run one step and make the tasks
+        it served runnable."""
+        self._check_thread()
+        while self._runnable:
+            self._runnable.popleft().switch()
+        if not self._waiting:
+            return
+        batch = self._next_batch()
+        try:
+            with batch._cond:
+                batch._step()
+        except Exception as exc:  # a fault of the step's own bookkeeping: its tasks hear of it, the others go on
+            log.exception("a batched step failed")
+            for b, slot, _ in self._waiting:
+                if b is batch and slot.pending is not None:
+                    slot.pending, slot.error = None, GenerationError(f"the batched step failed: {exc}")
+        self.steps += 1
+        waiting = []
+        for entry in self._waiting:
+            if entry[1].pending is None:  # its tokens are all in: the task goes on with its logits
+                self._runnable.append(entry[2])
+            else:  # a prompt's next chunk, or a chain's next draft
+                waiting.append(entry)
+        self._waiting = waiting
+
+    def run(self) -> None:
+        """Cycle until every task has ended."""
+        while self.live:
+            self.cycle()
+
+    def close(self) -> None:
+        """Let this thread make another driver (every task must have ended)."""
+        if self.live:
+            raise GenerationError(f"{self.live} task(s) of the driver have not ended")
+        if getattr(_local, "driver", None) is self:
+            _local.driver = None
+
+    def _next_batch(self) -> "Batch":
+        """The batch to step: one whose every slot in a request has handed in (its step waits for nobody), else
+        the one that has waited longest (a slot in a request whose task waits for another batch's step: a
+        Session between its target's step and its next round, drafting on a draft model's Batch)."""
+        batches: list = []
+        for batch, _, _ in self._waiting:
+            if batch not in batches:
+                batches.append(batch)
+        for batch in batches:
+            if all(s.pending is not None for s in batch._all if s.active):
+                return batch
+        return min(batches, key=lambda b: min(s.since for s in b._all if s.pending is not None))
