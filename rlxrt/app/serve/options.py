@@ -98,7 +98,8 @@ def make_server(opts: ServeOptions):
 
     holder = {}
     metrics = Metrics(opts.name, lambda: holder["pool"])
-    pool = holder["pool"] = Pool(make_session, opts.workers, opts.max_queue, metrics.record)
+    pool = holder["pool"] = Pool(make_session, opts.workers, opts.max_queue, metrics.record,
+                                  driven=engine == "batch")
     from rlxrt.sessions.batch import Batch
 
     drafts = None if model_of(opts.speculator) != "draft" else "batch" if isinstance(helper, Batch) else "each"

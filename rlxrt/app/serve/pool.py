@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -88,13 +89,16 @@ class Job:
 
 
 class Pool:
-    """``workers`` threads, each with a Session from ``make_session()``; at most ``workers + max_queue``
-    requests are admitted at once (``submit`` raises QueueFull beyond that). ``on_done(job, generation)``
-    is called on the worker thread when a request ends (metrics)."""
+    """``workers`` Sessions from ``make_session()``, each serving one request at a time; at most
+    ``workers + max_queue`` requests are admitted at once (``submit`` raises QueueFull beyond that).
+    ``on_done(job, generation)`` is called when a request ends (metrics). Each Session has a thread of its own,
+    or, ``driven``, one thread serves them all, each request a task of its ``rlxrt.sessions.Driver`` (Sessions
+    on a Batch: their rounds then hand over without waking a thread)."""
 
     def __init__(self, make_session: Callable[[], Any], workers: int, max_queue: int,
-                 on_done: Callable[[Job, Any], None] | None = None):
+                 on_done: Callable[[Job, Any], None] | None = None, driven: bool = False):
         self.sessions = [make_session() for _ in range(workers)]
+        self.driven = driven
         self.max_queue = max_queue
         self.capacity = workers + max_queue
         self._on_done = on_done
@@ -103,8 +107,9 @@ class Pool:
         self._admitted = 0
         self._running = 0
         self._closed = False
-        self._threads = [threading.Thread(target=self._serve, args=(s,), name=f"rlxrt-worker-{i}", daemon=True)
-                         for i, s in enumerate(self.sessions)]
+        self._threads = [threading.Thread(target=self._drive, name="rlxrt-engine", daemon=True)] if driven else \
+            [threading.Thread(target=self._serve, args=(s,), name=f"rlxrt-worker-{i}", daemon=True)
+             for i, s in enumerate(self.sessions)]
         for t in self._threads:
             t.start()
 
@@ -143,23 +148,54 @@ class Pool:
     # -- worker threads -------------------------------------------------------------------------------------
     def _serve(self, session) -> None:
         while (job := self._queue.get()) is not None:
+            self._serve_one(session, job)
+
+    def _drive(self) -> None:
+        """The driven pool's one thread: each request a task of a Driver on a free Session, taken from the queue
+        between steps (waited for only when no request is running)."""
+        from rlxrt.sessions import Driver
+
+        driver, free, closing = Driver(), deque(self.sessions), False
+        while True:
+            while free and not closing:
+                try:
+                    job = self._queue.get(block=driver.live == 0)
+                except queue.Empty:
+                    break
+                if job is None:
+                    closing = True
+                    break
+                driver.spawn(self._task, free, free.popleft(), job)
+            if driver.live:
+                driver.cycle()
+            elif closing:
+                driver.close()
+                return
+
+    def _task(self, free: deque, session, job: Job) -> None:
+        try:
+            self._serve_one(session, job)
+        finally:
+            free.append(session)
+
+    def _serve_one(self, session, job: Job) -> None:
+        with self._lock:
+            self._running += 1
+        generation = None
+        try:
+            generation = self._run(session, job)
+        except Exception as exc:  # bad arguments, a model error or a bug: the client hears of it; keep serving
+            job.failed = True
+            job.emit("error", exc)
+        finally:
             with self._lock:
-                self._running += 1
-            generation = None
-            try:
-                generation = self._run(session, job)
-            except Exception as exc:  # bad arguments, a model error or a bug: the client hears of it; keep serving
-                job.failed = True
-                job.emit("error", exc)
-            finally:
-                with self._lock:
-                    self._running -= 1
-                    self._admitted -= 1
-                if self._on_done is not None:
-                    try:
-                        self._on_done(job, generation)
-                    except Exception:  # metrics must never take a worker down
-                        log.exception("recording a request's metrics failed")
+                self._running -= 1
+                self._admitted -= 1
+            if self._on_done is not None:
+                try:
+                    self._on_done(job, generation)
+                except Exception:  # metrics must never take a worker down
+                    log.exception("recording a request's metrics failed")
 
     @staticmethod
     def _run(session, job: Job):
