@@ -18,25 +18,30 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from statistics import median
 
 
 def at_once(n: int, one) -> float:
-    """``one(i)`` for i < n, each on its own thread, all at once: the wall time."""
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - t0
+    """``one(i)`` for i < n, all at once, each a task of one Driver on this thread (as the server runs its
+    batch's requests): the wall time."""
+    from rlxrt.sessions import Driver
+
+    driver = Driver()
+    try:
+        for i in range(n):
+            driver.spawn(one, i)
+        t0 = time.perf_counter()
+        driver.run()
+        return time.perf_counter() - t0
+    finally:
+        driver.close()
 
 
 def generate_at_once(sessions, prompts, max_tokens) -> tuple[list, float]:
-    """Each Session generates for its prompt on its own thread, all at once: (the Generations, the wall time)."""
+    """Each Session (on a Batch) generates for its prompt, all at once (``at_once``): (the Generations, the wall
+    time)."""
     out: list = [None] * len(prompts)
 
     def one(i):

@@ -8,8 +8,8 @@ the round's own Python on a small model (docs/performance.md, "Stop 57"). A driv
 operating system. What a task runs is the same code (``Batch.submit`` pauses it where a thread would wait), so
 the same steps run and every output is the same.
 
-A Batch is either a driver's or its threads': a task that hands in to a Batch another driver serves, or a thread
-that hands in to a driven one, is refused. A task may block only in a Batch's steps: anything else it waits for
+A Batch is either a driver's or its threads' until the driver is closed: a task that hands in to a Batch another
+driver serves, or a thread that hands in to a driven one, is refused. A task may block only in a Batch's steps: anything else it waits for
 stalls every task of its driver.
 """
 from __future__ import annotations
@@ -34,6 +34,12 @@ def running() -> "Driver | None":
     return driver if driver is not None and driver._in_task() else None
 
 
+def task_or_thread() -> tuple[object, bool]:
+    """Who is calling: (the running task of a driver, True), or (this thread's id, False)."""
+    driver = running()
+    return (driver._greenlet.getcurrent(), True) if driver is not None else (threading.get_ident(), False)
+
+
 class Driver:
     """Tasks on the thread that made it (see the module's text): ``spawn`` them, then ``cycle`` (or ``run``)."""
 
@@ -47,6 +53,7 @@ class Driver:
         self._thread = threading.get_ident()
         self._runnable: deque = deque()
         self._waiting: list[tuple["Batch", "Slot", object]] = []
+        self._batches: list["Batch"] = []  # the batches it serves (``Batch.driver``), until it is closed
         self.live = 0
         """Tasks started and not ended."""
         self.steps = 0
@@ -79,6 +86,7 @@ class Driver:
         """Pause the running task until a step has run ``slot``'s pending tokens (``Batch.submit``)."""
         if batch.driver is None:
             batch.driver = self
+            self._batches.append(batch)
         elif batch.driver is not self:
             raise GenerationError("this Batch is served by another Driver's thread; run every Session on it as a "
                                   "task of that driver")
@@ -117,9 +125,13 @@ class Driver:
             self.cycle()
 
     def close(self) -> None:
-        """Let this thread make another driver (every task must have ended)."""
+        """Give back the batches it served (another driver, or threads, may serve them now) and let this thread
+        make another driver; every task must have ended."""
         if self.live:
             raise GenerationError(f"{self.live} task(s) of the driver have not ended")
+        for batch in self._batches:
+            batch.driver = None
+        self._batches = []
         if getattr(_local, "driver", None) is self:
             _local.driver = None
 

@@ -7,10 +7,17 @@
   it is resumed, with ``finish_reason == "cancelled"`` and without touching the caches again.
 - Every step of a stream (one ``next()``) holds ``step``; a request that cancels a stream first waits for
   a step of it that another thread may be running, so the two never touch the caches at once.
+- Under a ``Driver`` each task counts as a thread of its own, but none can wait: a request while another
+  task's request holds the caches is refused (its step may be paused inside a batch's step, and waiting
+  would stop the one thread that runs both).
 """
 from __future__ import annotations
 
 import threading
+
+from rlxrt.errors import GenerationError
+
+from .driver import task_or_thread
 
 
 class Claim:
@@ -18,9 +25,9 @@ class Claim:
 
     __slots__ = ("thread", "seq", "cancelled")
 
-    def __init__(self, thread: int, seq: int):
+    def __init__(self, thread: object, seq: int):
         self.thread = thread
-        """The thread that started the request (a stream may be resumed from others)."""
+        """The thread (or a Driver's task) that started the request (a stream may be resumed from others)."""
         self.seq = seq
         """Order in which requests started (later requests have larger numbers)."""
         self.cancelled = False
@@ -37,7 +44,7 @@ class Turns:
 
     def take(self) -> Claim:
         """Wait for the caches (or take them from this thread's own open stream) and hold them."""
-        me = threading.get_ident()
+        me, driven = task_or_thread()
         cancelled = None
         with self._cond:
             while self._owner is not None:
@@ -45,6 +52,10 @@ class Turns:
                     cancelled = self._owner
                     cancelled.cancelled = True
                     break
+                if driven:
+                    raise GenerationError("this Session is serving a request of another task of the Driver; a "
+                                          "Session serves one request at a time: give each task a Session of its "
+                                          "own")
                 self._cond.wait()
             self._seq += 1
             self._owner = Claim(me, self._seq)

@@ -49,14 +49,15 @@ def test_driven_sessions_joining_and_leaving_equal_their_lone_runs():
         for i in range(4):
             driver.spawn(task, i)
         driver.run()
+        served = batch.driver, drafts.driver
     finally:
         driver.close()
     assert got == lone
     assert batch.calls > batch.steps > 0 and drafts.calls > drafts.steps > 0
-    assert batch.driver is driver and drafts.driver is driver
+    assert served == (driver, driver) and batch.driver is drafts.driver is None  # given back by close
 
 
-def test_a_thread_cannot_hand_in_to_a_driven_batch_and_the_driver_serves_on():
+def test_a_thread_cannot_hand_in_to_a_driven_batch_until_the_driver_is_closed():
     batch = Batch(TARGET, CFG, slots=2, calibrate=False)
     driver, got = Driver(), []
     try:
@@ -71,7 +72,8 @@ def test_a_thread_cannot_hand_in_to_a_driven_batch_and_the_driver_serves_on():
         driver.run()
     finally:
         driver.close()
-    assert got[0] == got[1] == Session(TARGET, None, CFG).generate(CODE, max_new_tokens=8).token_ids
+    got.append(Session(batch, None, CFG).generate(CODE, max_new_tokens=8).token_ids)  # closed: threads' again
+    assert got[0] == got[1] == got[2] == Session(TARGET, None, CFG).generate(CODE, max_new_tokens=8).token_ids
 
 
 def _catch(errors, fn):
@@ -184,3 +186,35 @@ def test_a_fault_in_a_steps_bookkeeping_fails_its_requests_and_the_driver_serves
     finally:
         driver.close()
     assert got == [Session(TARGET, None, CFG).generate(CODE, max_new_tokens=8, ignore_eos=True).token_ids]
+
+
+def test_two_tasks_on_one_session_the_second_is_refused_and_the_first_goes_on():
+    """A thread would wait for the Session; a task cannot (its wait would stop the thread that runs the other),
+    so its request is refused with the fix; one task's second request cancels its first, as a thread's does."""
+    batch = Batch(TARGET, CFG, slots=2, calibrate=False)
+    session, driver, got, errors = Session(batch, None, CFG), Driver(), {}, []
+
+    def first():
+        got["first"] = session.generate(CODE, max_new_tokens=16, ignore_eos=True).token_ids
+
+    def second():
+        _catch(errors, lambda: session.generate(CODE, max_new_tokens=4))
+
+    def own_two():
+        held = Session(batch, None, CFG)
+        stream = held.stream(CODE, max_new_tokens=16)
+        next(stream)
+        got["again"] = held.generate(CODE, max_new_tokens=8, ignore_eos=True).token_ids
+        got["cancelled"] = [piece for piece in stream] == [] and stream.generation.finish_reason == "cancelled"
+
+    try:
+        driver.spawn(first)
+        driver.spawn(second)
+        driver.spawn(own_two)
+        driver.run()
+    finally:
+        driver.close()
+    assert len(errors) == 1 and "a Session of its own" in str(errors[0])
+    lone = Session(TARGET, None, CFG)
+    assert got["first"] == lone.generate(CODE, max_new_tokens=16, ignore_eos=True).token_ids
+    assert got["again"] == lone.generate(CODE, max_new_tokens=8, ignore_eos=True).token_ids and got["cancelled"]
