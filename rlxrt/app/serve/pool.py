@@ -13,7 +13,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -155,7 +154,7 @@ class Pool:
         between steps (waited for only when no request is running)."""
         from rlxrt.sessions import Driver
 
-        driver, free, closing = Driver(), deque(self.sessions), False
+        driver, free, closing = Driver(), list(reversed(self.sessions)), False  # a stack: the last freed is warm
         while True:
             while free and not closing:
                 try:
@@ -165,14 +164,14 @@ class Pool:
                 if job is None:
                     closing = True
                     break
-                driver.spawn(self._task, free, free.popleft(), job)
+                driver.spawn(self._task, free, free.pop(), job)
             if driver.live:
                 driver.cycle()
             elif closing:
                 driver.close()
                 return
 
-    def _task(self, free: deque, session, job: Job) -> None:
+    def _task(self, free: list, session, job: Job) -> None:
         try:
             self._serve_one(session, job)
         finally:
