@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from rlxrt.errors import GenerationError
 from rlxrt.stats import RequestStats
 
+from .driver import running
 from .turns import Claim, Turns
 
 
@@ -64,8 +66,14 @@ class Stream:
             raise StopIteration
         if self._result.claim is None:  # the request starts: wait for the session (never inside a step)
             self._result.claim = self._turns.take()
-        with self._turns.step:
+        step = self._turns.step
+        if not step.acquire(blocking=running() is None):  # a task cannot wait: the step's task may be paused
+            raise GenerationError("this stream is being read by another task of the Driver; read a stream from "
+                                  "one task at a time")
+        try:
             return next(self._pieces)
+        finally:
+            step.release()
 
     def close(self) -> None:
         """End the request now (its generation says "cancelled") and free the session for the next one."""

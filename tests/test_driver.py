@@ -218,3 +218,21 @@ def test_two_tasks_on_one_session_the_second_is_refused_and_the_first_goes_on():
     lone = Session(TARGET, None, CFG)
     assert got["first"] == lone.generate(CODE, max_new_tokens=16, ignore_eos=True).token_ids
     assert got["again"] == lone.generate(CODE, max_new_tokens=8, ignore_eos=True).token_ids and got["cancelled"]
+
+
+def test_a_stream_read_by_two_tasks_at_once_is_refused_to_the_second():
+    """A stream's step paused in a batch's step holds the Session: a second task reading the same stream is
+    refused (a thread would wait; a task's wait would stop the thread its step runs on), and the first reads
+    on to the lone run's end."""
+    batch = Batch(TARGET, CFG, slots=2, calibrate=False)
+    session, driver, errors, pieces = Session(batch, None, CFG), Driver(), [], []
+    stream = session.stream(CODE, max_new_tokens=12, ignore_eos=True)
+    try:
+        driver.spawn(lambda: pieces.extend(stream))
+        driver.spawn(_catch, errors, lambda: next(stream))
+        driver.run()
+    finally:
+        driver.close()
+    assert len(errors) == 1 and "another task" in str(errors[0])
+    lone = Session(TARGET, None, CFG).generate(CODE, max_new_tokens=12, ignore_eos=True)
+    assert stream.generation.token_ids == lone.token_ids and "".join(pieces) == lone.text
