@@ -233,9 +233,13 @@ class Batch:
         waiting = [s for s in self._all if s.pending is not None]
         if not waiting:
             return False
-        if all(s.pending is not None for s in self._all if s.active):
+        if self.all_in():
             return True
         return time.perf_counter() - min(s.since for s in waiting) > self.gather_seconds
+
+    def all_in(self) -> bool:
+        """Whether every slot in a request has handed in its tokens: a step now waits for nobody."""
+        return all(s.pending is not None for s in self._all if s.active)
 
     def _step(self) -> None:
         """Run one step over every slot that handed in tokens (called with the lock held; released while

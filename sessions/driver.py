@@ -146,6 +146,6 @@ class Driver:
             if batch not in batches:
                 batches.append(batch)
         for batch in batches:
-            if all(s.pending is not None for s in batch._all if s.active):
+            if batch.all_in():
                 return batch
         return min(batches, key=lambda b: min(s.since for s in b._all if s.pending is not None))

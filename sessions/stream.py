@@ -67,9 +67,11 @@ class Stream:
         if self._result.claim is None:  # the request starts: wait for the session (never inside a step)
             self._result.claim = self._turns.take()
         step = self._turns.step
-        if not step.acquire(blocking=running() is None):  # a task cannot wait: the step's task may be paused
-            raise GenerationError("this stream is being read by another task of the Driver; read a stream from "
-                                  "one task at a time")
+        if not step.acquire(blocking=False):  # held: another thread, or a task, is in a step of this stream
+            if running() is not None:  # a task cannot wait: the step's task may be paused on this thread
+                raise GenerationError("this stream is being read by another task of the Driver; read a stream "
+                                      "from one task at a time")
+            step.acquire()
         try:
             return next(self._pieces)
         finally:
