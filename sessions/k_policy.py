@@ -39,6 +39,8 @@ DECAY = 0.9
 """The weight the step cost's scale keeps at each step measured."""
 MAX_ITERATIONS = 32
 """Dinkelbach steps at most (the rate grows at every one; a handful reach the best)."""
+PLAUSIBLE = 0.1
+"""How far measured step times may stray from a shape a step can have (``StepCost.plausible``)."""
 
 
 class StepCost:
@@ -61,13 +63,26 @@ class StepCost:
             raise ValueError(f"a step cost needs positive times at row counts >= 1, got {points}")
         self.rows = sorted(points)
         self.seconds = [float(points[r]) for r in self.rows]
-        for i in range(1, len(self.seconds)):  # more rows never cost less than fewer (else: timing noise)
-            self.seconds[i] = max(self.seconds[i], self.seconds[i - 1])
+        for i in range(1, len(self.seconds)):  # more rows never cost less than fewer, nor more a row (else: noise)
+            r, t = self.rows, self.seconds
+            t[i] = min(max(t[i], t[i - 1]), t[i - 1] * r[i] / r[i - 1])
         self.per_row_context = max(float(per_row_context), 0.0)
         self.scale = 1.0
         """Measured steps' seconds over the model's where below 1 (a running mean; steps slower count as 1)."""
         self.offset = 0.0
         """Seconds measured steps took beyond the model's (a running mean; steps faster count as 0)."""
+
+    @staticmethod
+    def plausible(points: dict[int, float], tolerance: float = PLAUSIBLE) -> bool:
+        """Whether measured ``points`` (rows -> seconds) are a shape a step can have, within ``tolerance``: more
+        rows cost no less than fewer, and no more a row (a step of R rows is never dearer than R steps of one).
+        A calibration that ran beside other work (another server starting) measures some sizes slowed and others
+        not, which breaks one or the other."""
+        rows = sorted(points)
+        for lo, hi in zip(rows, rows[1:]):
+            if points[hi] < points[lo] * (1 - tolerance) or points[hi] > points[lo] * hi / lo * (1 + tolerance):
+                return False
+        return True
 
     def shape(self, rows: float) -> float:
         r, t = self.rows, self.seconds

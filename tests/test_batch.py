@@ -410,6 +410,29 @@ def test_calibration_times_context_that_was_written():
         assert (kv[:, :written] != 7.0).all() and (kv[:, written:] == 7.0).all()
 
 
+def test_calibration_measures_again_while_its_times_are_no_shape_a_step_can_have(monkeypatch):
+    """Each size's least time counts (other work only adds time); a first round whose least times break the
+    shape (two rows timed while another server started) is measured again, and the cost keeps the least."""
+    from rlxrt.sessions import batch as batching
+
+    batch = Batch(TARGET, CFG, slots=2, calibrate=False)
+    calls = {"n": 0}
+    timed = (batching.CALIBRATION_REPEATS + 1) * 2 * (len(batching.CALIBRATION_ROWS) + 1)
+
+    def run(tokens, sequences, rows):
+        calls["n"] += 1
+        slowed = calls["n"] <= timed and tokens == 2  # every pass of the first rounds: two rows slowed
+        return 1e-3 * (1 + 0.05 * tokens) * (5 if slowed else 1) + 1e-6 * (calls["n"] % 7)
+
+    monkeypatch.setattr(batch, "_run", run)
+    cost = batch._calibrate()
+    sizes = [r for r in batching.CALIBRATION_ROWS if r <= min(batch.width, batch.capacity)]
+    assert cost.rows == sizes
+    assert cost.seconds[sizes.index(2)] == pytest.approx(1.1e-3, rel=1e-2)  # measured again: its own time
+    assert cost.seconds[0] == pytest.approx(1.05e-3, rel=1e-2)  # the least, not the median
+    assert calls["n"] > timed  # there were more passes
+
+
 def test_a_draft_catching_up_takes_all_the_room_a_step_has_left():
     """A draft's slot reads its prompt at its first proposal; its target's batch waits for every draft step,
     so that catch-up goes in one step beside the others' drafts, not in ``chunk``-token pieces."""

@@ -40,6 +40,21 @@ def test_step_cost_interpolates_extends_and_learns():
         StepCost({})
 
 
+def test_a_shape_no_step_can_have_is_told_and_mended():
+    """Times measured beside other work (two servers calibrating at once, as measured on the 2-core VM) slow
+    some sizes and not others: two rows five times one, or 32 rows seven times 16. ``plausible`` says so; a
+    StepCost made of them anyway costs no size less than a smaller one, nor more a row."""
+    alone = {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.26, 16: 1.82, 32: 2.85}
+    assert StepCost.plausible(alone)
+    assert not StepCost.plausible({**alone, 2: 5.23, 4: 5.23, 8: 5.23})  # two rows dearer than two steps of one
+    assert not StepCost.plausible({**alone, 32: 7.33})
+    assert not StepCost.plausible({**alone, 8: 0.8})  # eight rows cheaper than four
+    assert StepCost.plausible({**alone, 8: 1.05})  # within the tolerance
+    cost = StepCost({**alone, 2: 5.23, 32: 7.33})
+    assert cost.seconds == pytest.approx([1.0, 2.0, 2.0, 2.0, 2.0, 4.0])
+    assert StepCost(alone).seconds == list(alone.values())
+
+
 def test_what_steps_take_beyond_the_model_does_not_make_a_row_dearer():
     """Steps that take twice the model's time at the rows they run, through what the shape leaves out, keep a
     drafted row at the shape's slope: 0.3 a row pays here, where the same level read as a scale of every row

@@ -286,14 +286,15 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     try:
         for engine in engines:
             flags = lambda k, adaptive=None: _server_flags(args, k, adaptive, engine, max(levels))  # noqa: E731
-            servers[f"{engine} plain"] = ServerProcess(flags(ks[0])[0], f"{engine} plain")
+            wanted = [(flags(ks[0])[0], f"{engine} plain")]
             for k in ks:  # with --adaptive-k, an adaptive server beside each fixed one
                 label = f"{engine} {name} k={k or (2 if name in ('draft', 'mtp') else 4)}"
-                servers[label] = ServerProcess(flags(k, False)[1], label)
+                wanted.append((flags(k, False)[1], label))
                 if args.adaptive_k:
-                    servers[f"{label} adaptive"] = ServerProcess(flags(k, True)[1], f"{label} adaptive")
-            for s in servers.values():  # one engine's servers load at a time: the cores are few
-                s.wait_ready()
+                    wanted.append((flags(k, True)[1], f"{label} adaptive"))
+            for server_flags, label in wanted:  # one at a time: a batch server times its steps as it starts
+                servers[label] = ServerProcess(server_flags, label)
+                servers[label].wait_ready()
         for e in externals:
             if e.label in servers:
                 raise UsageError(f"--external name {e.label!r} is one of rlxrt's servers; choose another")
