@@ -471,10 +471,10 @@ class Batch:
     def report(self) -> dict:
         """What the batch has measured and decided so far, for an operator (the server's ``/health``): its steps,
         the sequences a step held on average, the calibrated cost (ms of a step by its rows), how much faster
-        (scale) or slower (offset) its steps run than that, and per load (sequences a step): the gap between steps with nothing drafted, what a
-        drafted token of each source adds to it, and whether its guard drafts (where a Session on the batch has
-        a speculator); and of each source, over every slot's rounds: the chance it proposes something when
-        asked, and its acceptance by drafted position."""
+        (scale) or slower (offset) its steps run than that, and per load (sequences a step): the gap between
+        steps with nothing drafted, what a drafted token of each source adds to it, and whether its guard
+        drafts (where a Session on the batch has a speculator); and of each source, over every slot's rounds:
+        the chance it proposes something when asked, and its acceptance by drafted position."""
         with self._cond:
             guards = {load_label(load): "drafting" if g.drafting else "plain"
                       for load, g in sorted(self.guards.items())} if any(s.sources for s in self._all) else {}
