@@ -63,8 +63,8 @@ class StepCost:
             raise ValueError(f"a step cost needs positive times at row counts >= 1, got {points}")
         self.rows = sorted(points)
         self.seconds = [float(points[r]) for r in self.rows]
-        for i in range(1, len(self.seconds)):  # more rows never cost less than fewer, nor more a row (else: noise)
-            r, t = self.rows, self.seconds
+        r, t = self.rows, self.seconds
+        for i in range(1, len(t)):  # more rows never cost less than fewer, nor more a row (else: noise)
             t[i] = min(max(t[i], t[i - 1]), t[i - 1] * r[i] / r[i - 1])
         self.per_row_context = max(float(per_row_context), 0.0)
         self.scale = 1.0
