@@ -59,19 +59,36 @@ def test_the_guard_keeps_the_mode_that_serves_most_on_a_drifting_machine(seed, b
     assert share >= 0.9, share
 
 
-def test_a_measurement_goes_round_the_modes_and_leaves_out_each_ones_first_steps():
-    """block=2: all, all, planned, planned, plain, plain, ... from the start of a measurement; the first step of
-    each mode does not count (a speculator catches up then on what it did not read while another was kept)."""
-    guard = Guard(measure=9, block=2, settle=1, measure_min=9)
+def test_a_measurement_goes_round_the_modes_and_leaves_out_each_blocks_lead():
+    """block=4, lead=2: all x4, planned x4, plain x4, ... from the start of a measurement; the first two steps of
+    each block do not count (they pay for the mode before them: a speculator catching up, a server's clients
+    reading the tokens the steps before emitted)."""
+    guard = Guard(measure=6, block=4, lead=2, measure_min=6)
     seen = []
     while guard.measuring and len(seen) < 100:
         mode = guard.mode
-        first = mode not in seen
+        lead = len(seen) % 4 < 2
         seen.append(mode)
-        guard.step(mode, 1.0, 100 if first else {ALL: 30, PLANNED: 20, PLAIN: 10}[mode])
-    assert seen == [ALL, ALL, PLANNED, PLANNED, PLAIN, PLAIN] * 2  # 9 counted, 3 left out
+        guard.step(mode, 1.0, 100 if lead else {ALL: 30, PLANNED: 20, PLAIN: 10}[mode])
+    assert seen == [ALL] * 4 + [PLANNED] * 4 + [PLAIN] * 4  # 6 counted, 6 left out
     assert guard.rates == {PLAIN: 10.0, PLANNED: 20.0, ALL: 30.0}
     assert guard.mode == ALL and guard.drafting
+
+
+def test_records_reaching_the_guard_late_still_leave_out_each_runs_lead():
+    """The batch hands the guard a step's record two steps late, so a mode's run of records starts two steps
+    after the guard's schedule switched: what counts is the run of records, not the schedule."""
+    guard = Guard(measure=6, block=4, lead=2, measure_min=6)
+    modes = []
+    while guard.measuring and len(modes) < 100:
+        modes.append(guard.mode)
+        if len(modes) > 2:
+            mode = modes[-3]
+            run = 1
+            while run < len(modes) - 2 and modes[-3 - run] == mode:
+                run += 1
+            guard.step(mode, 1.0, 100 if run <= 2 else {ALL: 30, PLANNED: 20, PLAIN: 10}[mode])
+    assert guard.rates == {PLAIN: 10.0, PLANNED: 20.0, ALL: 30.0}
 
 
 def test_a_mode_is_chosen_over_those_before_it_only_by_the_margin():
@@ -81,7 +98,7 @@ def test_a_mode_is_chosen_over_those_before_it_only_by_the_margin():
                           ({PLAIN: 100, PLANNED: 110, ALL: 111}, PLANNED),
                           ({PLAIN: 100, PLANNED: 110, ALL: 120}, ALL),
                           ({PLAIN: 100, PLANNED: 90, ALL: 103}, ALL)):
-        guard = Guard(measure=12, block=2, settle=0, measure_min=12, margin=0.02)
+        guard = Guard(measure=12, block=2, lead=0, measure_min=12, margin=0.02)
         measure_once(guard, rates)
         assert guard.mode == chosen, (rates, guard.mode)
         assert guard.drafting == (chosen != PLAIN)
@@ -90,7 +107,7 @@ def test_a_mode_is_chosen_over_those_before_it_only_by_the_margin():
 def test_a_confirmed_choice_is_measured_less_and_less_often_and_a_change_is_followed():
     """Each measurement that confirms the choice doubles the steps kept before the next, up to keep_max; where
     another mode pays more, the next measurement finds it, switches, and starts over at the least."""
-    guard = Guard(measure=12, block=2, settle=0, measure_min=12, keep=16, keep_max=64, budget=1.0)
+    guard = Guard(measure=12, block=2, lead=0, measure_min=12, keep=16, keep_max=64, budget=1.0)
     keeps = []
     rates = {PLAIN: 10, PLANNED: 12, ALL: 11}
 
@@ -113,7 +130,7 @@ def test_measurements_where_drafting_loses_by_far_are_spaced_by_what_they_cost()
     """Drafting serves 40 % less (a small pair under load): a measurement spends two thirds of its steps drafting,
     so the next comes measure * (loss / budget - 1) steps on, loss the modes' mean shortfall (0.8 / 3), and the
     steps drafting cost about the budget of the rate."""
-    guard = Guard(measure=36, block=2, settle=0, measure_min=36, keep=64, keep_max=64, budget=0.01, early=1.0)
+    guard = Guard(measure=36, block=2, lead=0, measure_min=36, keep=64, keep_max=64, budget=0.01, early=1.0)
     modes = []
     for _ in range(40_000):
         modes.append(guard.mode)
@@ -124,7 +141,7 @@ def test_measurements_where_drafting_loses_by_far_are_spaced_by_what_they_cost()
 
 
 def test_a_measurement_ends_early_where_the_modes_are_far_apart():
-    guard = Guard(measure=144, block=2, settle=0, measure_min=24, early=0.25)
+    guard = Guard(measure=144, block=2, lead=0, measure_min=24, early=0.25)
     seen = measure_once(guard, {PLAIN: 10, PLANNED: 6, ALL: 5})
     assert len(seen) == 24 and guard.mode == PLAIN
 
@@ -133,7 +150,7 @@ def test_a_drafting_mode_far_behind_sits_out_the_next_measurements():
     """Every sequence drafting its k serves a third less than drafting as planned: the next three measurements
     go round plain steps and the plan alone (drafting far behind costs each measurement a third of its steps),
     the fourth measures it again. Plain steps are measured every time."""
-    guard = Guard(measure=12, block=2, settle=0, measure_min=12, keep=4, budget=1.0, drop=0.1, sit_out=3)
+    guard = Guard(measure=12, block=2, lead=0, measure_min=12, keep=4, budget=1.0, drop=0.1, sit_out=3)
     rounds = []
     for _ in range(5):
         rounds.append(set(measure_once(guard, {PLAIN: 10, PLANNED: 12, ALL: 8})))
@@ -147,7 +164,7 @@ def test_a_drafting_mode_far_behind_sits_out_the_next_measurements():
 def test_where_both_drafting_modes_lose_by_far_plain_steps_are_kept_without_measuring_them_alone():
     """Both drafting modes sit out: the measurements they sit out are not run (plain steps against nothing),
     the chosen mode is kept on, and the one after measures every mode again."""
-    guard = Guard(measure=12, block=2, settle=0, measure_min=12, keep=4, budget=1.0, drop=0.1, sit_out=2)
+    guard = Guard(measure=12, block=2, lead=0, measure_min=12, keep=4, budget=1.0, drop=0.1, sit_out=2)
     measure_once(guard, {PLAIN: 10, PLANNED: 6, ALL: 6})
     assert guard.mode == PLAIN and guard.keep == 4
     for _ in range(3 * 4):  # three keeps: the first two end in a measurement sat out
@@ -159,7 +176,7 @@ def test_where_both_drafting_modes_lose_by_far_plain_steps_are_kept_without_meas
 def test_a_record_of_another_mode_while_one_is_kept_is_left_out():
     """The batch hands the guard a step's record two steps late: records of a mode just left, after a choice,
     neither count for the kept mode nor bring the next measurement nearer."""
-    guard = Guard(measure=12, block=2, settle=0, measure_min=12, keep=4, budget=1.0)
+    guard = Guard(measure=12, block=2, lead=0, measure_min=12, keep=4, budget=1.0)
     measure_once(guard, {PLAIN: 10, PLANNED: 20, ALL: 10})
     assert guard.mode == PLANNED
     for _ in range(10):
