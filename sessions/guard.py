@@ -12,7 +12,7 @@ drafts what its Session would draft alone).
 It measures the modes interleaved, a few steps of each in turn, because this machine's speed drifts at every
 time scale a guard could use: on the 2-core VM (the shipped pair, 2 sequences, plain steps throughout), one
 window of 16-256 steps against the mean of the windows either side of it differed by 10-13 % (standard
-deviation), while two halves of 128 steps taken alternately, two steps each, differed by 1.5-2 %
+deviation), while two halves of 128 steps taken alternately, 2 or 4 steps each, differed by 1.9-2.6 %
 (docs/performance.md, "Stop 59"). A guard that compared windows one after the other could not tell modes 5 %
 apart, and chose between them by chance.
 
@@ -20,8 +20,8 @@ A measurement goes round the modes, ``block`` steps each, until ``measure`` step
 steps of each block do not count: they pay for the mode before them. A speculator catches up then on what it
 did not read (a head reads every row since its last proposal), and in a server the tokens the last steps
 emitted are sent and read while they run, the event loop's and the clients' work on the same cores, which a
-mode emitting more tokens a step leaves to whichever mode follows it (with blocks of 2 steps all counted, the
-guard chose every sequence drafting on the shipped pair at 2-4 clients, where that served 0.88-0.95x plain).
+mode emitting more tokens a step leaves to whichever mode follows it (how much that moved a measurement of
+2-step blocks all counted was not measured apart from the VM's noise: docs/performance.md, "Stop 59").
 It ends early once ``measure_min`` steps count and plain steps serve more than ``early`` more, or less, than
 the best drafting mode. The modes are ranked plain, planned, all: a mode is chosen over the ones before it
 only where it served more than ``margin`` more than the best of them (a tie goes to fewer drafts: what
