@@ -139,9 +139,9 @@ class Batch:
         """Slots' calls the steps have run (more than ``steps`` where steps held several sequences)."""
         self.run_seconds = 0.0
         self.guards: dict[int, Guard] = {}
-        """Drafting as planned, or not at all, by the tokens a second each mode has measured (k_policy.Guard): one
-        guard per load (``guard``), since what pays at 2 sequences a step need not at 16, and a rate measured at
-        one load says nothing of the other mode at another."""
+        """Plain steps, drafting as planned, or every sequence its own k, by the tokens a second each mode has
+        measured (guard.Guard): one guard per load (``guard``), since what pays at 2 sequences a step need not at
+        16, and a rate measured at one load says nothing of another mode at another."""
         self.draft_costs: dict[int, DraftCost] = {}
         """What the steps wait for between them, and what a drafted token of each source adds to it: one per load
         (``draft_cost``), like the guards, since both grow with the sequences whose rounds a step waits for."""
