@@ -7,7 +7,7 @@ Every repeat runs N Sessions of each speculator on one Batch (the shipped code p
 in an order that alternates per repeat, and prints tokens a second, the batch's steps, what was drafted and
 accepted, and what the batch measured of drafting (the gap between steps with nothing drafted, and what a
 drafted token of each source adds to it; for a Cascade, the rounds each source drafted). ``--force-k K``
-replaces the plan by K for every sequence and pins the guards to the plan: what drafting K would give, for comparison with what the plan chose. A draft model drafts on a Batch of its
+replaces the plan by K for every sequence and turns the guards off: what drafting K would give, for comparison with what the plan chose. A draft model drafts on a Batch of its
 own (``DraftModel(draft_batch)``). Medians, relative to plain, at the end.
 """
 from __future__ import annotations
@@ -40,11 +40,11 @@ def main() -> int:
     from rlxrt.backends import compile
     from rlxrt.sessions import Batch, Session
     from rlxrt.sessions import batch as batching
-    from rlxrt.sessions.guard import PLANNED, Guard
+    from rlxrt.sessions.k_policy import Guard
 
     if args.force_k >= 0:
         batching.plan_ks = lambda cost, seqs, overhead=0.0, slots=None, context=0.0: [args.force_k] * len(seqs)
-        batching.Guard = lambda: Guard(modes=(PLANNED,))  # drafting as planned, the plan replaced
+        Guard.step = lambda self, *record: None
     every = rlxrt.Config(intra_op_threads=os.cpu_count() or 1, cpu_kernels="rlxrt")
     one = rlxrt.Config(intra_op_threads=1, cpu_kernels="rlxrt")
     n = args.sessions
@@ -75,9 +75,8 @@ def main() -> int:
                   file=sys.stderr)
         if kind != "none":
             guards = {batching.load_label(load): g for load, g in sorted(batch.guards.items())}
-            print("    guards, tok/s by mode (sequences a step):", "; ".join(
-                f"{n} " + ", ".join(f"{m} {_rate(r)}" for m, r in g.rates.items()) + f" -> {g.mode}"
-                for n, g in guards.items()), file=sys.stderr)
+            print("    guards, tok/s drafting / not (sequences a step):", ", ".join(
+                f"{n} {_rate(g.rates[True])} / {_rate(g.rates[False])}" for n, g in guards.items()), file=sys.stderr)
         del sessions
         gc.collect()
         return rate

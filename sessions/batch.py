@@ -18,8 +18,8 @@ slot's acceptance (``k_policy.plan_ks``); a Session drafts at most that (a seede
 token costs the step its row and what the step waits for while the slots draft: the gaps between steps, measured
 (``k_policy.DraftCost``). A Session whose speculator has several sources (lookup, then a head) is planned a k
 for each, from each source's own acceptance, cost and chance of drafting the round. What the plan cannot see is
-measured by its outcome: ``guard.Guard`` measures plain steps, drafting as planned and every sequence drafting
-its own k, interleaved, and keeps the one that serves the most tokens a second.
+measured by its outcome: ``k_policy.Guard`` keeps drafting on only while steps that draft serve more tokens a
+second than steps that do not.
 """
 from __future__ import annotations
 
@@ -38,8 +38,7 @@ from rlxrt.errors import GenerationError
 from rlxrt.limits import K_MAX
 
 from .driver import Driver, running
-from .guard import ALL, PLAIN, PLANNED, Guard
-from .k_policy import Acceptance, DraftCost, Sequence, StepCost, plan_ks
+from .k_policy import Acceptance, DraftCost, Guard, Sequence, StepCost, plan_ks
 from .kv import GraphModel, check_room, draft_vocab_ids
 
 CHUNK = 32
@@ -139,9 +138,9 @@ class Batch:
         """Slots' calls the steps have run (more than ``steps`` where steps held several sequences)."""
         self.run_seconds = 0.0
         self.guards: dict[int, Guard] = {}
-        """Plain steps, drafting as planned, or every sequence its own k, by the tokens a second each mode has
-        measured (guard.Guard): one guard per load (``guard``), since what pays at 2 sequences a step need not at
-        16, and a rate measured at one load says nothing of another mode at another."""
+        """Drafting as planned, or not at all, by the tokens a second each mode has measured (k_policy.Guard): one
+        guard per load (``guard``), since what pays at 2 sequences a step need not at 16, and a rate measured at
+        one load says nothing of the other mode at another."""
         self.draft_costs: dict[int, DraftCost] = {}
         """What the steps wait for between them, and what a drafted token of each source adds to it: one per load
         (``draft_cost``), like the guards, since both grow with the sequences whose rounds a step waits for."""
@@ -154,11 +153,8 @@ class Batch:
         self.planned_next = False
         """Whether the last step left a plan for its load that the slots read without the lock (``Slot.planned``;
         made False by any change of the slots in a request)."""
-        self.all_next = False
-        """Whether every Session drafts its own k next round (the guard's mode ``ALL``, or a lone sequence), read
-        without the lock as ``drafts_next`` is."""
         self._ended: float | None = None  # when the last step ended
-        self._record: tuple[Guard, str, float] | None = None  # the last clean step's guard, mode and seconds
+        self._record: tuple[Guard, bool, float] | None = None  # the last clean step's guard, mode and seconds
         self._gap: _Gap | None = None  # the last clean step's gap, its drafted tokens and their sources
         self.cost = StepCost({1: 1.0})
         if self._hidden_name and self._hidden_name in graph.output_names:
@@ -264,7 +260,7 @@ class Batch:
                 s.drafted_last = not s.fresh and len(s.pending) > 1
             load = self._active_count()
             guard, waits = self.guard(load), self.draft_cost(load)
-            mode = guard.mode  # the mode the slots planned this step's rounds in
+            drafting = guard.drafting  # the mode the slots planned this step's rounds in
         t, r, parts = 0, 0, []
         longest = max(len(s.pending) - s.fed for s in taking)
         chunk = self.chunk if longest <= self.chunk else self._chunk(taking)  # a chunk's size matters to prompts
@@ -294,19 +290,20 @@ class Batch:
         if error is None and own:
             if rounds:  # the plan is for rounds, not for prompts' chunks
                 self.cost.observe(t, seconds, sum(s.length for s in taking) / len(taking))
-            self._account(clean and gap is not None, guard, waits, mode, drafted, gap or 0.0, seconds,
+            self._account(clean and gap is not None, guard, waits, drafting, drafted, gap or 0.0, seconds,
                           caught_up)
             if self._gap is not None:  # the drafting slots tell their sources in their rounds' reports
                 for s in taking:
                     s._gap = self._gap if len(s.pending) > 1 else None
         active = self._active_count()
-        mode = self.guard(active).mode if own and active > 1 else ALL  # a lone sequence drafts as alone (k_for)
-        arm = mode != PLAIN  # else no Session drafts next round
-        self.drafts_next, self.planned_next, self.all_next = arm, False, mode == ALL and not self._recount
-        if error is None and own and len(parts) > 1 and mode == PLANNED:
-            if self.steps - self._planned >= REPLAN_STEPS or not self._plan:  # a plan outlives the guard's other
-                self._replan()  # modes' steps between its own, while it is not stale
-            self.planned_next = bool(self._plan) and not self._recount
+        arm = active <= 1 or not own or self.guard(active).drafting  # else no Session drafts next round
+        self.drafts_next, self.planned_next = arm, False
+        if error is None and own and len(parts) > 1:  # a lone sequence drafts as its Session would (k_for)
+            if not arm:  # nobody drafts next round: planned again when the guard drafts (k_for)
+                self._plan = {}
+            elif self.steps - self._planned >= REPLAN_STEPS or not self._plan:
+                self._replan()
+            self.planned_next = arm and active > 1 and bool(self._plan) and not self._recount
         for s, start, count, r0, want, last in parts:
             if error is not None:
                 s.pending, s.error = None, error if isinstance(error, GenerationError) else GenerationError(
@@ -322,7 +319,7 @@ class Batch:
                     s.deliver(self._logits[0, r0:r0 + want])
                 elif s.chain_next(self._logits[0, r0 + want - 1]):  # its next drafted token goes in the next step
                     continue
-                if s.leads and arm and (mode == ALL or self._leads_draft(s)):  # the drafts' steps wait for it
+                if s.leads and arm and self._leads_draft(s):  # the drafts' steps wait for it
                     for draft in s.leads:
                         draft.arm()
                 s.pending, s.fresh = None, False
@@ -343,7 +340,7 @@ class Batch:
             return self.chunk
         return max(self.chunk, len(self._positions) // len(taking))
 
-    def _account(self, clean: bool, guard: Guard, waits: DraftCost, mode: str, drafted: int, gap: float,
+    def _account(self, clean: bool, guard: Guard, waits: DraftCost, drafting: bool, drafted: int, gap: float,
                  seconds: float, caught_up: bool) -> None:
         """What a step tells of drafting (``clean``: its slots were all past their prompts, and a step before it
         ended, so the gap before it was theirs): the gap's cost (``DraftCost``; not where a slot drafted for the
@@ -354,7 +351,7 @@ class Batch:
             last, *record = self._record
             last.step(*record, self.emitted - self._emitted_seen)
         self._emitted_seen = self.emitted
-        self._record = (guard, mode, gap + seconds) if clean else None
+        self._record = (guard, drafting, gap + seconds) if clean else None
         record = self._gap
         if record is not None and not record.caught_up:  # its sources told what they drafted in their reports
             if sum(t for t, _ in record.parts.values()) == record.tokens:
@@ -479,7 +476,7 @@ class Batch:
         drafts (where a Session on the batch has a speculator); and of each source, over every slot's rounds:
         the chance it proposes something when asked, and its acceptance by drafted position."""
         with self._cond:
-            guards = {load_label(load): "measuring" if g.measuring else g.mode
+            guards = {load_label(load): "drafting" if g.drafting else "plain"
                       for load, g in sorted(self.guards.items())} if any(s.sources for s in self._all) else {}
             costs = sorted(self.draft_costs.items())
             return {"slots": self.slots, "active": self._active_count(), "steps": self.steps,
@@ -503,7 +500,7 @@ class Batch:
     def _changed(self) -> None:
         """A slot's ``active`` changed: counted again when next asked, and its load's guard and plan read again."""
         self._recount = True
-        self.drafts_next, self.planned_next, self.all_next = True, False, False
+        self.drafts_next, self.planned_next = True, False
 
     def _active_count(self) -> int:
         """The slots in a request, counted again only after one changed (every round asks, under the lock)."""
@@ -545,9 +542,8 @@ class Batch:
         active = self._active_count()
         if active <= 1:
             return slot.k_wanted
-        mode = self.guard(active).mode
-        if mode != PLANNED:
-            return 0 if mode == PLAIN else slot.k_wanted
+        if not self.guard(active).drafting:
+            return 0
         n = len(slot.sources)
         ks, wanted = self._plan.get(slot, ((), -1))
         if wanted != slot.k_wanted or len(ks) != n:
@@ -772,15 +768,12 @@ class Slot(GraphModel):
     def k_cap(self, wanted: int, ks=None) -> int:
         """The k this slot drafts next round when its Session would draft ``wanted`` (``ks``: at most that
         from each source, its adaptive ks): the batch's plan, whose k for each source is left in ``caps``.
-        Without taking the lock where the last step's load drafts nothing (0: ``Batch.drafts_next``), every
-        Session its own k (``Batch.all_next``), or left a plan that holds for the k it wants
-        (``Batch.planned_next``)."""
+        Without taking the lock where the last step's load drafts nothing (0: ``Batch.drafts_next``), or left a
+        plan that holds for the k it wants (``Batch.planned_next``)."""
         self.k_wanted = wanted
         batch, planned = self.batch, self.planned
         if not batch.drafts_next:
             plan: list[int] | int = 0
-        elif batch.all_next:
-            plan = wanted
         elif batch.planned_next and planned is not None and planned[1] == wanted and len(planned[0]) == len(self.caps):
             plan = planned[0]
         else:

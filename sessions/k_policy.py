@@ -30,6 +30,7 @@ accurate one goes on.
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -339,3 +340,108 @@ class DraftCost:
         """0 until a gap with ``source``'s drafts is measured: drafting is then planned as a lone sequence plans it."""
         seen = self.drafting.get(source)
         return statistics.median(seen) if seen else 0.0
+
+
+TRIM_FROM = 4
+"""A guard's window of at least this many steps leaves out its step of the lowest rate (``Guard``)."""
+TRY_BUDGET = 0.01
+"""The share of a settled guard's rate its tries of the worse mode may cost (``Guard``)."""
+
+
+class Guard:
+    """Whether a batch drafts as planned or not at all: the plan's costs are measured, but not everything a step waits
+    for is (a speculator catching up after a pause, the cores the drafts take from the step, a speculative
+    round's own Python), so the guard also measures the outcome. It runs windows of ``window`` steps in one mode
+    and drafts in the better one, drafting counting as better only where it serves ``margin`` more (a tie goes to
+    plain steps: what drafting costs outside the steps counted, the drafts' prompts and catching up, is not
+    measured). After ``explore`` windows in the better mode it tries the other for one window, then runs one more
+    in the better mode, and compares the try with the mean of the windows just before and after it: the machine's
+    speed drifts, so a try measured now is compared with the kept mode measured around it, never with a rate
+    measured long before. A window's rate leaves out its step of the lowest rate (``TRIM_FROM``): a few steps
+    take far longer than the rest in either mode (a request arriving, the machine), and the choice would follow
+    them. A try that confirms the choice doubles ``explore``, up to ``explore_max`` (a try costs what the worse
+    mode loses, so a settled choice is tried less and less often); one that finds the other mode better is made
+    again at once, and two in a row switch to it and start over at ``explore`` (one window against two is a
+    coin's toss where the modes are a few percent apart; docs/performance.md, "Stop 53"). A step counts with the
+    mode its sequences drafted in, its whole time (the gap before it and its run) and the tokens its rounds
+    emitted; the batch leaves out steps that hold a prompt's chunk, whose time says nothing of drafting. The
+    first ``settle`` steps after a switch do not count either: a speculator catches up then on what it did not
+    read while the other mode ran (a head reads every row since its last proposal), a cost of switching, not of
+    the mode. A try that confirms the choice by a wide margin also spaces the next one so that tries cost at
+    most ``budget`` of the rate (a try window in a mode that serves a fraction f less, once every E + 2 windows,
+    costs about f / (E + 2)), up to ``explore_far`` windows: where drafting serves 40 % less, tries come every
+    ~38 windows, not every 16; where the modes are a few percent apart, doubling alone spaces them, and a try
+    that confirms by a small margin brings the spacing back to what doubling gives."""
+
+    def __init__(self, window: int = 16, explore: int = 4, settle: int = 1, explore_max: int = 16,
+                 margin: float = 0.03, explore_far: int = 64, budget: float = TRY_BUDGET):
+        if not budget > 0:
+            raise ValueError(f"a guard's budget for its tries is a share of the rate above 0, got {budget!r}")
+        self.window, self.settle, self.margin, self.budget = window, settle, margin, budget
+        self.explore_min, self.explore_max = explore, max(explore, explore_max)
+        self.explore_far = max(self.explore_max, explore_far)
+        self.explore = explore
+        """Windows in the better mode before the other is tried again (doubles while tries confirm it, or more
+        where a try lost much)."""
+        self._settling = 0
+        self.drafting = True
+        self.rates: dict[bool, float | None] = {True: None, False: None}
+        """Each mode's tokens a second in its last window."""
+        self._steps: dict[bool, list[tuple[float, int]]] = {True: [], False: []}  # each mode's window so far
+        self._kept = 0  # windows in the better mode since the other was last tried
+        self._phase = "first"  # the first two windows (one of each mode); "try": the window running tries the
+        # other mode; "close": the one after a try; "keep": the better mode's
+        self._before: float | None = None  # the kept mode's rate in the window before the try
+        self._doubt = False  # the last try found the other mode better: it is tried again before a switch
+
+    def step(self, drafting: bool, seconds: float, tokens: int) -> None:
+        """One step's record: the mode its rounds drafted in, its seconds, the tokens its rounds emitted."""
+        if drafting == self.drafting and self._settling > 0:
+            self._settling -= 1
+            return
+        steps = self._steps[drafting]
+        steps.append((seconds, tokens))
+        if drafting != self.drafting or len(steps) < self.window:
+            return
+        if len(steps) >= TRIM_FROM:  # the window's step of the lowest rate is left out
+            steps.remove(min(steps, key=lambda step: step[1] / max(step[0], 1e-9)))
+        self.rates[drafting] = sum(t for _, t in steps) / max(sum(sec for sec, _ in steps), 1e-9)
+        self._steps[drafting] = []
+        self._window_ended(drafting)
+
+    def _window_ended(self, drafting: bool) -> None:
+        rate, other = self.rates[drafting], self.rates[not drafting]
+        if other is None:  # the other mode is measured once before any choice: the window after this one
+            self._switch(not drafting, "first")
+        elif self._phase == "try":  # back to the kept mode for the window that closes the bracket
+            self._switch(not drafting, "close")
+        elif self._phase in ("close", "first"):  # a bracket closed, or the first window of each mode
+            around = rate if self._before is None else 0.5 * (self._before + rate)
+            drafts, plain = (around, other) if drafting else (other, around)
+            best = drafts > plain * (1 + self.margin)
+            if best == drafting:
+                if self._phase == "close" and not self._doubt:
+                    loss = 1.0 - min(drafts, plain) / max(drafts, plain, 1e-9)  # what a try of the other mode lost
+                    self.explore = max(min(2 * self.explore, self.explore_max),
+                                       min(math.ceil(loss / self.budget) - 2, self.explore_far))
+                self._doubt = False
+                self._kept, self._phase, self._before = 1, "keep", rate
+            elif self._phase == "close" and not self._doubt:  # tried again at once: a switch takes two in a row
+                self._doubt, self._before = True, rate
+                self._switch(not drafting, "try")
+            else:
+                self._doubt = False
+                self.explore = self.explore_min
+                self._switch(best, "keep")
+        else:
+            self._kept += 1
+            self._before = rate
+            if self._kept >= self.explore:
+                self._switch(not drafting, "try")
+
+    def _switch(self, drafting: bool, phase: str) -> None:
+        if drafting != self.drafting:
+            self._settling = self.settle
+        if phase in ("keep", "first"):
+            self._kept, self._before = 0, None
+        self.drafting, self._phase = drafting, phase

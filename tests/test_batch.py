@@ -16,9 +16,7 @@ from rlxrt.config import Config
 from rlxrt.errors import GenerationError, ProviderError
 from rlxrt.sampling import SamplingParams
 from rlxrt.sessions import Cascade, DraftModel, MtpHead, PromptLookup, Session
-from rlxrt.sessions import batch as batching
 from rlxrt.sessions.batch import Batch
-from rlxrt.sessions.guard import PLAIN, PLANNED, Guard
 from rlxrt.sessions.fused import FusedKVModel
 from rlxrt.app.flags import head_dir
 from rlxrt.app.reference import reference_pair
@@ -28,11 +26,6 @@ HEAD = str(head_dir(None, None))
 
 CFG = Config(intra_op_threads=1, cache=False, cpu_kernels="rlxrt")
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef add(a, b):\n    return"
-
-
-def only(batch: Batch, mode: str, sequences: int = 2) -> None:
-    """Pin the guard of a load to one mode (these tests read the plan or the plain path, not the guard)."""
-    batch.guards[batching._load(sequences)] = Guard(modes=(mode,))
 
 
 def _script(rng, prompt_len: int, vocab: int):
@@ -329,7 +322,6 @@ def test_each_draft_source_of_a_slot_is_planned_from_its_own_acceptance_and_chan
 
     batch = Batch(TARGET, CFG, slots=2, calibrate=False)
     batch.cost = StepCost({1: 1.0, 2: 1.1, 8: 2.0, 64: 10.0})  # a row costs ~0.14 of a step past two
-    only(batch, PLANNED)
     a, b = batch.slot(), batch.slot()
     try:
         for s in (a, b):
@@ -600,10 +592,10 @@ def test_steps_where_no_sequence_can_draft_tell_the_guards_and_draft_costs_nothi
 
     together(lambda: None)
     assert batch.steps > 60
-    assert all(g.recorded == 0 for g in batch.guards.values())
+    assert all(g.rates == {True: None, False: None} for g in batch.guards.values())
     assert all(not c.plain and not c.drafting for c in batch.draft_costs.values())
     together(lambda: PromptLookup(min_n=2))
-    assert any(g.recorded > 0 for g in batch.guards.values())
+    assert any(r is not None for g in batch.guards.values() for r in g.rates.values())
     assert any(c.plain or c.drafting for c in batch.draft_costs.values())
 
 
@@ -653,7 +645,7 @@ def test_a_round_that_drafts_nothing_takes_no_lock_and_its_drift_is_applied_when
         pool = batch.pool("draft-model").first
         assert pool == pytest.approx(0.75)
         assert a.acceptance[0].first == pytest.approx((1 + pool) / 2)  # the slot's prior is the batch's
-        only(batch, PLAIN)
+        batch.guard(2).drafting = False
         threads = [threading.Thread(target=s.forward, args=(np.array([5], np.int64),)) for s in (a, b)]
         for t in threads:
             t.start()
@@ -693,7 +685,6 @@ def test_a_planned_round_reads_its_k_without_the_lock_until_it_wants_another():
 
     batch = Batch(TARGET, CFG, slots=2, calibrate=False, gather_seconds=30.0)
     batch.cost = StepCost({1: 1.0, 2: 1.01, 64: 1.6})  # rows all but free: the plan drafts
-    only(batch, PLANNED)
     a, b = batch.slot(), batch.slot()
     try:
         for s in (a, b):

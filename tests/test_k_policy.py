@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from rlxrt.sessions.k_policy import Acceptance, DraftCost, Sequence, StepCost, plan_ks
+from rlxrt.sessions.k_policy import Acceptance, DraftCost, Guard, Sequence, StepCost, plan_ks
 
 
 def earned(s: Sequence, k: int) -> float:
@@ -183,6 +183,154 @@ def test_the_plan_has_the_best_rate_of_every_choice(seed):
     assert rate(cost, seqs, ks) >= best * (1 - 1e-9)
 
 
+@pytest.mark.parametrize("drafting_pays", [True, False])
+def test_the_guard_keeps_the_mode_that_serves_more(drafting_pays):
+    """Windows of steps in each mode at a measured rate: the guard drafts in the better mode most of the time,
+    and follows when the better mode changes."""
+    guard = Guard(window=4, explore=4)
+    chosen = []
+
+    def run(steps, pays):
+        for _ in range(steps):
+            mode = guard.drafting
+            rate = 12.0 if mode == pays else 10.0  # tokens a second of the mode it is in
+            chosen.append(mode)
+            guard.step(mode, 1.0, int(rate))
+
+    run(400, drafting_pays)
+    share = sum(c == drafting_pays for c in chosen[40:]) / len(chosen[40:])
+    assert share >= 0.7, share
+    chosen.clear()
+    run(400, not drafting_pays)  # the workload changed: the other mode pays now
+    share = sum(c != drafting_pays for c in chosen[80:]) / len(chosen[80:])
+    assert share >= 0.7, share
+
+
+def test_a_settled_choice_is_tried_less_and_less_often_and_a_change_is_still_followed():
+    """Each try of the worse mode that confirms the choice doubles the windows before the next (a try costs
+    what the worse mode loses), up to explore_max; once the other mode pays more, the first try finds it and
+    the guard keeps it. (A budget of the whole rate leaves the spacing to doubling alone.)"""
+    guard = Guard(window=4, explore=4, settle=0, explore_max=16, budget=1.0)
+    windows = []
+
+    def run(steps, pays):
+        for _ in range(steps):
+            mode = guard.drafting
+            windows.append(mode)
+            guard.step(mode, 1.0, 12 if mode == pays else 10)
+
+    run(4 * 200, True)
+    tries = [i for i in range(4, len(windows), 4) if not windows[i] and windows[i - 4]]
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert gaps[:3] == [4 * 5, 4 * 9, 4 * 17] and set(gaps[2:]) == {4 * 17}, gaps  # 4, 8, 16, 16, ... kept windows
+    assert sum(not w for w in windows[400:]) / len(windows[400:]) <= 1 / 16
+    assert guard.explore == 16
+    windows.clear()
+    run(4 * 60, False)  # the other mode pays now: found by the next try (at most 16 windows on), tried again
+    first = windows.index(False)  # at once, then kept
+    assert first <= 4 * 17 and windows[first:first + 20:4] == [False, True, False, True, False], windows
+    close = first + 12  # the window after the second try, in the mode it leaves
+    tries = [i for i in range(close + 4, len(windows), 4) if windows[i]]  # drafting is now the one tried
+    assert [b - a for a, b in zip([close] + tries, tries)][:3] == [4 * 5, 4 * 9, 4 * 17], windows
+
+
+def test_tries_of_a_mode_that_loses_by_far_are_spaced_by_what_they_lose():
+    """Plain steps serve 10 tokens a second and drafting 6 (a small pair under load): each try of drafting
+    costs 40 % of a window, so after the first that confirms plain steps the next comes 38 windows on (a 1 %
+    budget), not 8, and the worse mode's share of the windows stays near 1/40. Where drafting then pays, the
+    next try finds it and the guard switches."""
+    guard = Guard(window=4, explore=4, settle=0, explore_max=16, explore_far=64, budget=0.01)
+    windows = []
+
+    def run(steps, plain_rate, drafting_rate):
+        for _ in range(steps):
+            mode = guard.drafting
+            windows.append(mode)
+            guard.step(mode, 1.0, drafting_rate if mode else plain_rate)
+
+    run(4 * 300, 10, 6)
+    tries = [i for i in range(4, len(windows), 4) if windows[i] and not windows[i - 4]]
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert windows[4 * 5] and set(gaps) == {4 * 39}, gaps  # the first try after 4 kept windows, then 38 and its close
+    assert guard.explore == 38
+    assert sum(windows[400:]) / len(windows[400:]) <= 1 / 30
+    windows.clear()
+    run(4 * 60, 10, 14)  # drafting pays now: the next try (at most 38 windows on) finds it, and again at once
+    assert windows.index(True) <= 4 * 40 and guard.drafting
+
+
+def test_a_guard_refuses_a_budget_that_is_not_a_share_above_zero():
+    with pytest.raises(ValueError, match="above 0"):
+        Guard(budget=0.0)
+
+
+def test_a_try_is_judged_against_the_windows_around_it_not_a_rate_measured_long_before():
+    """Drafting serves 8 % more than plain steps all along, while the machine slows by half every 60 windows:
+    each try of plain steps is compared with drafting measured just before and after it, so the guard keeps
+    drafting. (A guard that compared drafting's fresh rate with plain steps' rate measured at the last try, up
+    to 16 windows before, found the machine's slowing there and switched.)"""
+    guard = Guard(window=4, explore=4, settle=0)
+    windows = []
+    for step in range(4 * 200):
+        speed = 0.5 ** (step / (4 * 60))
+        windows.append(guard.drafting)
+        guard.step(guard.drafting, 1.0, 100 * speed * (1.08 if guard.drafting else 1.0))
+    kept = windows[40::4]
+    assert sum(kept) / len(kept) >= 0.85, "".join("d" if w else "." for w in windows[::4])
+
+
+def test_one_lucky_try_does_not_switch_two_in_a_row_do():
+    """Drafting serves 12 tokens a second and plain steps 10, but the first try of plain steps after the start
+    measures 20: the guard tries them again at once, finds 10, and keeps drafting. Later plain steps serve 20
+    in every window: two tries in a row find them better, and it switches."""
+    guard = Guard(window=2, explore=2, settle=0)
+    modes = []
+
+    def window(plain_rate):
+        mode = guard.drafting
+        modes.append(mode)
+        for _ in range(2):
+            guard.step(mode, 1.0, 12 if mode else plain_rate)
+
+    for _ in range(3):  # the first window of each mode, then drafting kept
+        window(10)
+    assert modes == [True, False, True]
+    window(10)  # kept: the next window tries plain steps
+    window(20)  # the lucky try, then the window that closes it, then plain tried again at once
+    window(10)
+    window(10)
+    window(10)
+    assert modes[3:] == [True, False, True, False, True] and guard.drafting
+    for _ in range(8):
+        window(20)
+    assert modes[8:14] == [True, False, True, False, True, False] and not guard.drafting  # kept, two tries, plain
+
+
+def test_a_window_leaves_out_its_slowest_step():
+    """A window's rate is that of its steps but the one of the lowest rate (a request arriving, the machine): one
+    slow step does not decide a choice, which otherwise follows where such steps fall."""
+    guard = Guard(window=4, explore=4, settle=0)
+    for seconds in (1.0, 1.0, 10.0, 1.0):
+        guard.step(True, seconds, 10)
+    assert guard.rates[True] == 10.0
+    for seconds, tokens in ((1.0, 8), (1.0, 8), (1.0, 0), (1.0, 8)):  # a step whose tokens came late
+        guard.step(False, seconds, tokens)
+    assert guard.rates[False] == 8.0
+
+
+def test_a_step_record_of_the_mode_before_a_switch_counts_for_that_mode():
+    """The batch hands the guard a step's record one step late (its tokens are reported after it): a record of
+    the mode just left goes to that mode, not to the window now running."""
+    guard = Guard(window=2, explore=4, settle=0)
+    guard.step(True, 1.0, 20)
+    guard.step(True, 1.0, 20)  # a window of drafting at 20 tok/s: the other mode is measured next
+    assert guard.drafting is False and guard.rates[True] == 20.0
+    guard.step(True, 1.0, 0)  # late record of the drafting mode: not the plain window's
+    guard.step(False, 1.0, 10)
+    guard.step(False, 1.0, 10)
+    assert guard.rates[False] == 10.0 and guard.drafting is True
+
+
 def test_overhead_between_steps_makes_drafting_pay():
     """Seconds every step waits besides its run are paid whatever is drafted, so a drafted token that costs a
     little row is worth it where the step alone would not be."""
@@ -261,6 +409,24 @@ def test_the_plan_with_chances_is_near_the_best_rate_of_every_choice(seed):
     ks = plan_ks(cost, seqs, slots=2)
     best = max(expected(list(c)) for c in itertools.product(range(4), repeat=4))
     assert expected(ks) >= best * 0.95
+
+
+def test_the_first_step_after_a_switch_does_not_count():
+    """A speculator catches up on what it did not read while the other mode ran: the first step after a switch
+    pays that once, and is left out of the new mode's window."""
+    guard = Guard(window=2, explore=4, settle=1)
+    guard.step(True, 1.0, 20)
+    guard.step(True, 1.0, 20)
+    assert guard.drafting is False
+    guard.step(False, 1.0, 10)
+    guard.step(False, 1.0, 10)
+    assert guard.rates[False] is None  # one of its two steps was the settling one
+    guard.step(False, 1.0, 10)
+    assert guard.rates[False] == 10.0 and guard.drafting is True
+    guard.step(True, 5.0, 20)  # the catch-up step of drafting again: not counted
+    guard.step(True, 1.0, 20)
+    guard.step(True, 1.0, 20)
+    assert guard.rates[True] == 20.0
 
 
 def test_a_drafting_cost_not_measured_for_long_is_forgotten():
