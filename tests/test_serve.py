@@ -291,6 +291,38 @@ def test_queue_full_is_429_and_disconnect_frees_the_worker():
         server.stop()
 
 
+@pytest.mark.parametrize("engine", ["pool", "batch"])
+def test_a_queued_request_whose_client_left_gives_its_place_back_at_once(engine):
+    """A client that gives up while its request waits for a worker frees the request's place in the queue
+    then, not when a worker reaches the dead request: else dead requests behind a long one turn live ones
+    away (429) though nothing waits."""
+    config = Config(providers=("cpu",), intra_op_threads=1, cache=False,
+                    **({"cpu_kernels": "rlxrt"} if engine == "batch" else {}))
+    server = Running(options(TARGET, workers=1, max_queue=1, engine=engine, config=config))
+    pool = server.server.pool
+    try:
+        c = server.client()
+        busy = _long_stream(c, 1500)
+        next(iter(busy))  # the worker runs it
+        with pytest.raises(openai.APITimeoutError):  # queued behind it, then its client gives up
+            server.client(timeout=0.5).completions.create(model="m", prompt="x", max_tokens=2)
+        _wait(lambda: pool.waiting == 0)
+        assert pool.running == 1  # the long request still runs
+        out: list = []
+        queued = threading.Thread(target=lambda: out.append(
+            c.completions.create(model="m", prompt=PROMPTS[1], max_tokens=6, temperature=0).choices[0].text))
+        queued.start()  # admitted: the dead request holds no place
+        _wait(lambda: pool.waiting == 1)
+        busy.close()
+        queued.join(60)
+        direct = Session(TARGET, None, CPU).generate(PROMPTS[1], max_new_tokens=6)
+        assert out == [direct.text]
+        _wait(lambda: pool.running == 0 and pool.waiting == 0)  # the dead request was skipped, counted once
+        assert c.completions.create(model="m", prompt="x", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        server.stop()
+
+
 def test_request_timeout_is_504():
     server = Running(options(TARGET, workers=1, request_timeout=0.3))
     try:

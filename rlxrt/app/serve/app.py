@@ -105,16 +105,19 @@ class Server:
         return job
 
 
-async def _watch(job: Job, request) -> None:
+async def _watch(job: Job, request, pool) -> None:
     """Cancel the job when its client goes away, or when it is past its deadline while still waiting for a
-    worker (the worker stops at its next round, or skips it); one task per request."""
+    worker (the worker stops at its next round, or skips it; a job still waiting gives its place in the queue
+    back at once); one task per request."""
     while not job.cancel.is_set():
         await asyncio.sleep(POLL)
         if await request.is_disconnected():
             job.cancel.set()
+            pool.forget(job)
             job.events.put_nowait(("disconnected", None))
         elif time.monotonic() > job.deadline + 2 * POLL and not job.started:
             job.cancel.set()
+            pool.forget(job)
             job.events.put_nowait(("timeout", None))
 
 
@@ -230,7 +233,7 @@ def build_app(server: Server):
         except TimeoutError:
             raise _failure("timeout", None) from None
         job = server.submit(work, deadline, req.stream)
-        watcher = asyncio.create_task(_watch(job, request))
+        watcher = asyncio.create_task(_watch(job, request, server.pool))
         streaming = False
         try:
             kind, value = await job.events.get()  # "start" once the worker took it and the arguments held

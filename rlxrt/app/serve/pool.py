@@ -49,7 +49,10 @@ class Job:
     arrived: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     started: bool = False
-    """A worker took it (set on the worker thread; read by the watcher)."""
+    """A worker took it (set on the worker thread under the pool's lock; read by the watcher)."""
+    forgotten: bool = False
+    """Its client went away, or its deadline passed, while it waited for a worker: it no longer holds a place in
+    the queue (``Pool.forget``), and the worker that takes it skips it."""
     timed_out: bool = False
     failed: bool = False
     """An exception ended it (reported to the client)."""
@@ -135,6 +138,15 @@ class Pool:
             self._admitted += 1
             self._queue.put(job)  # under the lock: never behind close()'s stop sentinels
 
+    def forget(self, job: Job) -> None:
+        """A job that no worker took yet and nobody waits for any more (its client went away, or its deadline
+        passed): its place in the queue is given back now, not when a worker takes it, so that dead jobs behind
+        long requests do not turn live ones away."""
+        with self._lock:
+            if not job.started and not job.forgotten:
+                job.forgotten = True
+                self._admitted -= 1
+
     def close(self, timeout: float | None = None) -> None:
         """Take no new requests, let the admitted ones finish, then stop the workers."""
         with self._lock:
@@ -179,17 +191,21 @@ class Pool:
 
     def _serve_one(self, session, job: Job) -> None:
         with self._lock:
-            self._running += 1
+            forgotten, job.started = job.forgotten, True
+            if not forgotten:
+                self._running += 1
         generation = None
         try:
-            generation = self._run(session, job)
+            if not forgotten:
+                generation = self._run(session, job)
         except Exception as exc:  # bad arguments, a model error or a bug: the client hears of it; keep serving
             job.failed = True
             job.emit("error", exc)
         finally:
-            with self._lock:
-                self._running -= 1
-                self._admitted -= 1
+            if not forgotten:
+                with self._lock:
+                    self._running -= 1
+                    self._admitted -= 1
             if self._on_done is not None:
                 try:
                     self._on_done(job, generation)
