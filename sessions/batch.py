@@ -33,7 +33,7 @@ import numpy as np
 
 from rlxrt.backends import CompiledGraph, compile
 from rlxrt.config import Config, load_config
-from rlxrt.checks import as_int
+from rlxrt.checks import as_float, as_int
 from rlxrt.errors import GenerationError
 from rlxrt.limits import K_MAX
 
@@ -95,7 +95,8 @@ class Batch:
         self.graph, m = graph, graph.manifest
         self.slots = as_int(slots, "slots", 1, 1024)
         self.chunk = as_int(chunk, "chunk", 1, 1 << 16)
-        self.gather_seconds = float(gather_seconds)
+        self.gather_seconds = as_float(gather_seconds, "gather_seconds (the longest a step waits for a slot to hand "
+                                       "in its tokens)", 0.0, 60.0)
         kv = m.kv_cache
         self.capacity = kv.capacity
         self.width = max(self.chunk, K_MAX + 1)
@@ -188,6 +189,7 @@ class Batch:
         with self._cond:
             if slot in self._all:
                 slot.idle()
+                slot.released = True
                 self._emitted_gone += slot.emitted
                 self._all.remove(slot)
                 self._free.append(slot.index)
@@ -208,6 +210,9 @@ class Batch:
     def submit(self, slot: "Slot", tokens: np.ndarray, rows: int) -> None:
         """Hand in ``tokens`` of ``slot`` (its last ``rows`` rows wanted) and wait until a step has run them all;
         the rows are then in the slot's buffers."""
+        if slot.released:
+            raise GenerationError("this slot was given back to its Batch (Batch.release), and a step no longer "
+                                  "runs it; take a new one (Batch.slot(), or a new Session on the Batch)")
         driver = running()
         if driver is None and self.driver is not None:
             raise GenerationError("this Batch is served by a Driver's thread; run every Session on it as a task of "
@@ -593,6 +598,8 @@ class Slot(GraphModel):
         self.since = 0.0
         self.error: Exception | None = None
         self.active = False
+        self.released = False
+        """Given back to the batch (``Batch.release``): it takes no more calls."""
         self.fresh = False
         """A request's prompt is not all in yet: its steps tell nothing of drafting."""
         self.leads: list[Slot] = []

@@ -68,9 +68,18 @@ class Session:
         if isinstance(target, Batch):  # one slot of a batched graph, for this Session's life
             graph, self.target = target.graph, target.slot()
             weakref.finalize(self, target.release, self.target)
+            try:
+                self._setup(graph, speculator, k, adaptive_k, k_max)
+            except BaseException:  # refused: the slot goes back now, not when the refused Session is collected
+                target.release(self.target)
+                raise
         else:
             graph = target if isinstance(target, CompiledGraph) else compile(target, config)
             self.target = decoder_for(graph)
+            self._setup(graph, speculator, k, adaptive_k, k_max)
+
+    def _setup(self, graph: CompiledGraph, speculator: Speculator | None, k: int | None, adaptive_k: bool,
+               k_max: int | None) -> None:
         self.manifest = self.target.manifest
         if self.target.vocab_ids is not None:
             raise ModelFormatError(

@@ -472,6 +472,25 @@ def test_slots_are_bounded_and_given_back():
     Session(batch, None, CFG)  # the slot came back with the Session
 
 
+def test_a_refused_session_gives_its_slot_back_at_once_and_a_given_back_slot_takes_no_calls():
+    """A Session whose arguments are refused frees its slot then, not when the refused object is collected (a
+    kept exception keeps it alive); a slot given back is refused at once, not left waiting for a step that no
+    longer runs it; a step's gathering time is checked."""
+    batch = Batch(TARGET, CFG, slots=1, calibrate=False)
+    with pytest.raises(GenerationError, match="k") as kept:
+        Session(batch, PromptLookup(), CFG, k=99)
+    assert batch._free == [0] and kept.value is not None  # free while the error is still held
+    slot = batch.slot()
+    batch.release(slot)
+    with pytest.raises(GenerationError, match="given back"):
+        slot.forward([5, 6])
+    s = Session(batch, None, CFG)  # the batch serves on
+    assert len(s.generate([5, 6, 7], max_new_tokens=3, ignore_eos=True).token_ids) == 3
+    for bad in (float("nan"), -1.0, "0.2x", None):
+        with pytest.raises(GenerationError, match="gather_seconds"):
+            Batch(TARGET, CFG, slots=1, calibrate=False, gather_seconds=bad)
+
+
 def test_what_cannot_batch_is_refused_with_the_fix(exported):
     with pytest.raises(ProviderError, match="cpu_kernels = rlxrt"):
         Batch(TARGET, Config(cache=False, cpu_kernels="ort"))
