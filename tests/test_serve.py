@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -319,6 +320,40 @@ def test_a_queued_request_whose_client_left_gives_its_place_back_at_once(engine)
         assert out == [direct.text]
         _wait(lambda: pool.running == 0 and pool.waiting == 0)  # the dead request was skipped, counted once
         assert c.completions.create(model="m", prompt="x", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        server.stop()
+
+
+def test_a_full_server_turns_a_request_away_before_parsing_it_and_parses_off_the_event_loop():
+    """Where the queue is full a request is answered 429 before its body is parsed or its prompt tokenised (a
+    flood of large bodies costs a full server little; the body is still read, so the client hears the 429), and an admitted request's body is parsed on a
+    preparing thread, not on the event loop that streams every other answer."""
+    server = Running(options(TARGET, workers=1, max_queue=0))
+    s = server.server
+    parsed: list[str] = []
+    prepare = s.prepare
+
+    def counted(raw, chat, deadline):
+        parsed.append(threading.current_thread().name)
+        return prepare(raw, chat, deadline)
+
+    s.prepare = counted
+    try:
+        c = server.client()
+        busy = _long_stream(c, 1500)
+        next(iter(busy))  # the one worker runs it; the queue holds none
+        assert parsed and parsed[0].startswith("rlxrt-tokenise")
+        big = {"model": "m", "prompt": "word " * 1_000_000, "max_tokens": 2}  # ~5 MB
+        req = urllib.request.Request(f"{server.url}/v1/completions", json.dumps(big).encode(),
+                                     {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=30)
+        assert err.value.code == 429 and err.value.headers["Retry-After"] == "1"
+        assert len(parsed) == 1  # refused before its body was parsed or tokenised
+        busy.close()
+        _wait(lambda: s.pool.running == 0)
+        assert c.completions.create(model="m", prompt="x", max_tokens=2).usage.completion_tokens == 2
+        assert 'rlxrt:request_rejected_total{model_name="m"} 1.0' in _get(f"{server.url}/metrics")
     finally:
         server.stop()
 

@@ -92,17 +92,31 @@ class Server:
                       seed=req.seed, stop=req.stop or None, stop_token_ids=extra or None, ignore_eos=req.ignore_eos)
         return Work(ids, kwargs)
 
+    def prepare(self, raw: bytes, chat: bool, deadline: float) -> tuple[api.Request, Work]:
+        """The body parsed and checked, then its Work (``work``); run off the event loop, where a large body's
+        parse would stall every stream."""
+        req = api.parse(api.parse_body(raw), chat, self.model)
+        return req, self.work(req, deadline)
+
+    def check_room(self) -> None:
+        """429 (503 while shutting down) now, where the pool would refuse a request: before its body is parsed
+        or its prompt tokenised, so that a flood of requests a full server turns away costs it little."""
+        self._admit(self.pool.check)
+
     def submit(self, work: Work, deadline: float, streaming: bool = True) -> Job:
         job = Job(work, asyncio.get_running_loop(), deadline=deadline, streaming=streaming)
+        self._admit(self.pool.submit, job)
+        return job
+
+    def _admit(self, call, *args) -> None:
         try:
-            self.pool.submit(job)
+            call(*args)
         except QueueFull as exc:
             self.metrics.rejected_one()
             raise api.ApiError(429, str(exc), None, "rate_limit_exceeded",
                                {"Retry-After": str(self.retry_after)}) from None
         except Closed as exc:
             raise api.ApiError(503, str(exc), None, "service_unavailable") from None
-        return job
 
 
 async def _watch(job: Job, request, pool) -> None:
@@ -222,14 +236,14 @@ def build_app(server: Server):
 
     async def generate(request: Request, chat: bool):
         deadline = time.monotonic() + server.request_timeout  # templates, tokenising and the queue count too
-        raw = await read_body(request)
+        raw = await read_body(request)  # read whole even where it is refused: a client still sending hears a reset
         if raw is None:
             return Response(status_code=499)
-        req = api.parse(api.parse_body(raw), chat, server.model)
+        server.check_room()
         loop = asyncio.get_running_loop()
         try:  # off the event loop
-            work = await loop.run_in_executor(server.renderers if chat else server.tokenisers, server.work, req,
-                                              deadline)
+            req, work = await loop.run_in_executor(server.renderers if chat else server.tokenisers, server.prepare,
+                                                   raw, chat, deadline)
         except TimeoutError:
             raise _failure("timeout", None) from None
         job = server.submit(work, deadline, req.stream)

@@ -130,13 +130,22 @@ class Pool:
 
     def submit(self, job: Job) -> None:
         with self._lock:
-            if self._closed:
-                raise Closed("the server is shutting down; retry on another instance")
-            if self._admitted >= self.capacity:
-                raise QueueFull(f"all {len(self.sessions)} workers are busy and {self.max_queue} requests are "
-                                "queued; retry later")
+            self._refuse()
             self._admitted += 1
             self._queue.put(job)  # under the lock: never behind close()'s stop sentinels
+
+    def check(self) -> None:
+        """Raise what ``submit`` would raise now (Closed, QueueFull), admitting nothing: a request that would be
+        refused is told so before it is read, parsed or tokenised."""
+        with self._lock:
+            self._refuse()
+
+    def _refuse(self) -> None:
+        if self._closed:
+            raise Closed("the server is shutting down; retry on another instance")
+        if self._admitted >= self.capacity:
+            raise QueueFull(f"all {len(self.sessions)} workers are busy and {self.max_queue} requests are "
+                            "queued; retry later")
 
     def forget(self, job: Job) -> None:
         """A job that no worker took yet and nobody waits for any more (its client went away, or its deadline
