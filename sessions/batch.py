@@ -443,39 +443,32 @@ class Batch:
     def _replan(self) -> None:
         """Every drafting slot's k of each source for its next round (``k_policy.plan_ks``), from the step cost,
         each source's acceptance, chance and measured cost. A source whose cost this load has not measured (never,
-        or not since it was forgotten) is tried until it is measured, whatever the plan says: by the slot that
-        accepts its drafts most, and the others draft none from it, so a try costs one sequence's drafts, not every
-        sequence drafting as if it cost nothing; but a source whose drafts run in shared steps (a draft model on a
-        Batch of its own) by every slot, since each of its chain steps costs about as much for one sequence as for
-        all (tried by one, the cost measured was 2-5 times what it is with every slot drafting: docs/performance.md,
-        "Stop 60"), and the slots drafting from it draft one k (``plan_ks``'s chains). A try is drafted even where
-        the estimates say it does not pay, since an estimate no round can correct (a batch under load, where a
+        or not since it was forgotten) is tried by one slot, the one that accepts its drafts most, until it is
+        measured: that slot drafts its k from it whatever the plan says, and the others none. A try costs one
+        sequence's drafts, not every sequence drafting as if it cost nothing; and it is drafted even where the
+        estimates say it does not pay, since an estimate no round can correct (a batch under load, where a
         source's last rounds went badly) would otherwise stop it for good."""
         active = [s for s in self._all if s.active]
         for s in active:
             s._settle()
         waits = self.draft_cost(len(active))
-        trying: dict[str, tuple[Slot | None, float]] = {}  # a source not measured at this load -> the slot that
-        for s in active:                                     # tries it (None: every slot)
-            for name, acceptance, shared in zip(s.sources, s.acceptance, s.batched):
+        trying: dict[str, tuple[Slot, float]] = {}  # a source not measured at this load -> the slot that tries it
+        for s in active:
+            for name, acceptance in zip(s.sources, s.acceptance):
                 first = acceptance.first if name not in waits.drafting and s.k_wanted else -1.0
-                if first >= 0 and shared:
-                    trying[name] = (None, math.inf)
-                elif first > trying.get(name, (s, -1.0))[1]:
+                if first > trying.get(name, (s, -1.0))[1]:
                     trying[name] = (s, first)
-        sequences = [Sequence(a.values(s.k_wanted), s.k_wanted if name not in trying or trying[name][0] in (None, s)
-                              else 0, waits.per_token(name), chance)
+        sequences = [Sequence(a.values(s.k_wanted), s.k_wanted if name not in trying or trying[name][0] is s else 0,
+                              waits.per_token(name), chance)
                      for s in active for name, a, chance in zip(s.sources, s.acceptance, s.chances())]
-        names = sorted({name for s in active for name in s.sources})
-        chains = [names.index(name) if shared else -1 for s in active for name, shared in zip(s.sources, s.batched)]
         self._planned = self.steps
         plan = plan_ks(self.cost, sequences, waits.overhead, slots=len(active),
-                       context=sum(s.length for s in active) / max(len(active), 1), chains=chains)
+                       context=sum(s.length for s in active) / max(len(active), 1))
         self._plan, at = {}, 0
         for s in active:
             ks = plan[at:at + len(s.sources)]
             for i, name in enumerate(s.sources):
-                if name in trying and trying[name][0] in (None, s):
+                if name in trying and trying[name][0] is s:
                     ks[i] = s.k_wanted
             s.planned = self._plan[s] = (ks, s.k_wanted)
             at += len(s.sources)

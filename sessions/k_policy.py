@@ -127,14 +127,12 @@ would earn, so it is asked, and its chance measured, again."""
 
 
 def plan_ks(cost: StepCost, sequences: list[Sequence], overhead: float = 0.0, slots: int | None = None,
-            context: float = 0.0, chains: list[int] | None = None) -> list[int]:
+            context: float = 0.0) -> list[int]:
     """The k of each sequence for the next step: the ks with the best rate (see the module's text); [] for none.
     ``overhead``: seconds every step costs besides t(R), whatever is drafted (the sequences' work between steps).
     ``slots``: the sequences the step runs, where ``sequences`` holds several sources of one (default: one
-    each). ``context``: the tokens each sequence holds, on average. ``chains``: of each sequence, the chain it
-    drafts in (a source whose drafts run in shared steps, a draft model on a Batch: every chain step is one
-    step for all of them), or -1 (its own); the sequences of one chain draft one k (``_one_k``). The step's
-    cost is read once per row count it can reach (the batch plans every few steps, under its lock)."""
+    each). ``context``: the tokens each sequence holds, on average. The step's cost is read once per row count
+    it can reach (the batch plans every few steps, under its lock)."""
     n = len(sequences) if slots is None else slots
     if not sequences:
         return []
@@ -147,28 +145,9 @@ def plan_ks(cost: StepCost, sequences: list[Sequence], overhead: float = 0.0, sl
         better = plan.best_at(rate)
         new_rate = plan.rate(better)
         if new_rate <= rate * (1 + 1e-12):
-            break
+            return ks
         ks, rate = better, new_rate
-    for chain in sorted({c for c in chains or () if c >= 0}):
-        ks = _one_k(plan, ks, [i for i, c in enumerate(chains) if c == chain])
     return ks
-
-
-def _one_k(plan: "_Plan", ks: list[int], members: list[int]) -> list[int]:
-    """The ks with every member of one chain drafting the same K (up to its own most), for the K of the best
-    rate. A chain step is one step of the shared graph for every sequence in it: it costs about as much for one
-    sequence as for all, so a plan where one drafts K and the others less pays the chain for fewer tokens.
-    Priced per token as measured with all of them drafting (the batch's tries), K tokens each cost the chain's K
-    steps; the rate of each K is the plan's own."""
-    best, best_rate = ks, -1.0
-    for k in range(max(plan.sequences[i].k_max for i in members) + 1):
-        trial = list(ks)
-        for i in members:
-            trial[i] = min(k, plan.sequences[i].k_max)
-        rate = plan.rate(trial)
-        if rate > best_rate * (1 + 1e-12):
-            best, best_rate = trial, rate
-    return best
 
 
 def _powers(s: Sequence) -> list[float]:

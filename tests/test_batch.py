@@ -500,74 +500,50 @@ def test_what_cannot_batch_is_refused_with_the_fix(exported):
         Batch(exported("llama", graph="fused", dtype="fp16"), CFG)
 
 
-def _planned_slots(batch: Batch, source: str, shared: bool, wanted: list[int]) -> list:
-    """Slots of ``batch`` drafting from ``source`` (in shared steps or not), each wanting its k; the later a
-    slot, the more of its drafts were accepted."""
-    slots = [batch.slot() for _ in wanted]
-    for n, (s, k) in enumerate(zip(slots, wanted)):
-        s.draft_sources((source,), (shared,))
-        s.reset()
-        for _ in range(n + 1):
-            s.acceptance[0].observe(1, 1)
-        s.answers[0] = 1.0  # it answers whenever asked
-        s.k_wanted = k
-    return slots
-
-
-def _plan(batch: Batch, slots) -> list[int]:
-    with batch._cond:
-        batch._replan()
-    return [batch._plan[s][0][0] for s in slots]
-
-
-def test_a_forgotten_source_is_tried_by_the_slot_that_accepts_it_most():
+def test_a_forgotten_source_is_tried_by_one_slot_and_only_drafting_slots_hold_up_the_drafts():
     """Once a source's cost is forgotten only the slot that accepts its drafts most drafts from it until it is
-    measured again (not every slot, as if drafting cost nothing), whatever the plan says; a new load starts
-    from the nearest load's costs."""
+    measured again (not every slot, as if drafting cost nothing); a draft model's batch waits only for the
+    slots planned to draft; a new load starts from the nearest load's costs."""
     from rlxrt.sessions.k_policy import StepCost
 
     batch = Batch(TARGET, CFG, slots=4, calibrate=False)
     batch.cost = StepCost({1: 1.0, 64: 1.1})  # rows almost free: only the drafts' cost decides
-    slots = _planned_slots(batch, "mtp-head", False, [3, 3, 3, 3])
+    slots = [batch.slot() for _ in range(4)]
     try:
+        for n, s in enumerate(slots):
+            s.draft_sources(("draft-model",), (True,))
+            s.reset()
+            for _ in range(n + 1):  # the later a slot, the more of its drafts were accepted
+                s.acceptance[0].observe(1, 1)
+            s.answers[0] = 1.0  # a draft model answers whenever asked
+            s.k_wanted = 3
         waits = batch.draft_cost(4)
         assert waits is batch.draft_cost(3) and waits is not batch.draft_cost(2)  # one per load, as the guards
-        assert _plan(batch, slots) == [0, 0, 0, 3]  # never measured here: one slot tries it
+        with batch._cond:
+            batch._replan()
+        assert [batch._plan[s][0][0] for s in slots] == [0, 0, 0, 3]  # never measured here: one slot tries it
         waits.observe(0.1)
-        waits.observe(0.13, {"mtp-head": (3, 0.01)})  # measured: 0.01 s a drafted token
-        assert all(k > 0 for k in _plan(batch, slots))  # rows almost free: every slot drafts
-        assert batch.draft_cost(8).per_token("mtp-head") == pytest.approx(0.01)  # a new load starts from it
+        waits.observe(0.13, {"draft-model": (3, 0.01)})  # measured: 0.01 s a drafted token
+        with batch._cond:
+            batch._replan()
+        assert all(batch._plan[s][0][0] > 0 for s in slots)  # rows almost free: every slot drafts
+        assert batch.draft_cost(8).per_token("draft-model") == pytest.approx(0.01)  # a new load starts from it
         for _ in range(waits.stale):
             waits.observe(0.1)
-        assert waits.forgotten == {"mtp-head"}
-        assert _plan(batch, slots) == [0, 0, 0, 3]  # the best-accepting slot tries it
+        assert waits.forgotten == {"draft-model"}
+        with batch._cond:
+            batch._replan()
+        assert [batch._plan[s][0][0] for s in slots] == [0, 0, 0, 3]  # the best-accepting slot tries it
+        assert [batch._leads_draft(s) for s in slots] == [False, False, False, True]
         batch.cost = StepCost({1: 1.0, 64: 64.0})  # a row costs a whole step: nothing pays, but a try is a try
-        assert _plan(batch, slots) == [0, 0, 0, 3]
-    finally:
-        for s in slots:
-            batch.release(s)
-
-
-def test_a_source_of_shared_steps_is_tried_by_every_slot_drafts_one_k_and_only_its_drafting_slots_hold_it_up():
-    """A draft model on a Batch of its own runs every chain step once for all the slots drafting from it: its
-    cost is tried by every slot that wants to draft (tried by one it measured 2-5 times too dear), the slots
-    draft one k from it, and its batch's steps wait only for the slots planned to draft."""
-    from rlxrt.sessions.k_policy import StepCost
-
-    batch = Batch(TARGET, CFG, slots=4, calibrate=False)
-    batch.cost = StepCost({1: 1.0, 64: 1.1})
-    slots = _planned_slots(batch, "draft-model", True, [0, 3, 3, 2])  # the first drafts nothing (k 0)
-    try:
-        waits = batch.draft_cost(4)
-        assert _plan(batch, slots) == [0, 3, 3, 2]  # never measured here: every slot that drafts tries it
-        assert [batch._leads_draft(s) for s in slots] == [False, True, True, True]
-        waits.observe(0.1)
-        waits.observe(0.13, {"draft-model": (8, 0.01)})
-        assert _plan(batch, slots) == [0, 3, 3, 2]  # rows almost free, drafts cheap: one k, each within its own
-        waits.observe(2.0, {"draft-model": (8, 0.01)})  # drafting dear now: none drafts
-        waits.observe(2.0, {"draft-model": (8, 0.01)})
-        assert _plan(batch, slots) == [0, 0, 0, 0]
-        assert not any(batch._leads_draft(s) for s in slots)
+        with batch._cond:
+            batch._replan()
+        assert [batch._plan[s][0][0] for s in slots] == [0, 0, 0, 3]
+        batch.cost = StepCost({1: 1.0, 64: 1.1})
+        waits.observe(0.13, {"draft-model": (3, 0.01)})
+        with batch._cond:
+            batch._replan()
+        assert all(batch._plan[s][0][0] > 0 for s in slots) and all(batch._leads_draft(s) for s in slots)
     finally:
         for s in slots:
             batch.release(s)

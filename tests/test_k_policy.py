@@ -461,18 +461,3 @@ def test_a_source_that_keeps_not_paying_is_tried_less_and_less_often():
         waits.observe(0.02, {"draft-model": (2, 0.001)})
     assert forgotten_after("draft-model") == 3
     assert waits.interval("mtp") == 3  # each source its own
-
-
-def test_sequences_drafting_in_one_chain_draft_one_k():
-    """A draft model on a Batch runs each chain step once for every sequence drafting from it, so a plan where
-    one drafts 3 and another none pays the chain for fewer tokens: the sequences of a chain draft one k (each
-    within its own most), the k of the best rate, or none where no k pays; others are planned as before."""
-    cost = StepCost({1: 1.0, 64: 1.1})
-    seqs = [Sequence(0.9, 3, 0.05), Sequence(0.2, 3, 0.05), Sequence(0.6, 0, 0.0)]
-    assert plan_ks(cost, seqs) == [3, 0, 0]  # priced per token, the poor one drafts none
-    assert plan_ks(cost, seqs, chains=[0, 0, -1]) == [3, 3, 0]
-    dear = [Sequence(0.9, 3, 0.3), Sequence(0.3, 3, 0.3)]
-    assert plan_ks(cost, dear) == [3, 0]
-    assert plan_ks(cost, dear, chains=[0, 0]) == [0, 0]  # a chain of 3 for both does not pay
-    mixed = [Sequence(0.9, 3, 0.05), Sequence(0.2, 2, 0.05), Sequence(0.7, 2, 0.05)]
-    assert plan_ks(cost, mixed, chains=[0, 0, -1]) == [3, 2, 2]  # the third drafts on its own
