@@ -326,8 +326,9 @@ def test_a_queued_request_whose_client_left_gives_its_place_back_at_once(engine)
 
 def test_a_full_server_turns_a_request_away_before_parsing_it_and_parses_off_the_event_loop():
     """Where the queue is full a request is answered 429 before its body is parsed or its prompt tokenised (a
-    flood of large bodies costs a full server little; the body is still read, so the client hears the 429), and an admitted request's body is parsed on a
-    preparing thread, not on the event loop that streams every other answer."""
+    flood of large bodies costs a full server little; the body is still read, so the client hears the 429), and
+    an admitted request's body is parsed on a preparing thread, not on the event loop that streams every other
+    answer."""
     server = Running(options(TARGET, workers=1, max_queue=0))
     s = server.server
     parsed: list[str] = []

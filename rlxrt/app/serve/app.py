@@ -236,7 +236,7 @@ def build_app(server: Server):
 
     async def generate(request: Request, chat: bool):
         deadline = time.monotonic() + server.request_timeout  # templates, tokenising and the queue count too
-        raw = await read_body(request)  # read whole even where it is refused: a client still sending hears a reset
+        raw = await read_body(request)  # whole even where it is refused: unread, a client still sending hears a reset
         if raw is None:
             return Response(status_code=499)
         server.check_room()

@@ -136,11 +136,12 @@ class Pool:
 
     def check(self) -> None:
         """Raise what ``submit`` would raise now (Closed, QueueFull), admitting nothing: a request that would be
-        refused is told so before it is read, parsed or tokenised."""
+        refused is told so before it is parsed or tokenised."""
         with self._lock:
             self._refuse()
 
     def _refuse(self) -> None:
+        """Raise Closed or QueueFull where a request would be refused now (called with the lock held)."""
         if self._closed:
             raise Closed("the server is shutting down; retry on another instance")
         if self._admitted >= self.capacity:
