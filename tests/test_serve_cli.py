@@ -233,6 +233,23 @@ def test_bench_serve_pairs_each_repeat_with_its_own_plain_run():
     assert row["vs_plain_runs"] == [1.1, 0.95, 1.2] and row["vs_plain_paired"] == 1.1
     assert report["rows"]["batch plain"]["2"]["vs_plain_paired"] == 1.0
     assert "| batch draft k=2 | 2 | 190 | 0.95x | 0.95x | 1.10x (0.95-1.20) |" in format_table(report)
+    assert row["vs_base_runs"] == [1.1, 0.95, 1.2]  # the baseline here is its engine's plain
+    lo, hi = row["vs_base_ci95"]
+    assert lo < 1.0 < hi  # three repeats, 0.95 to 1.2: not told apart from plain
+    assert f"| {lo:.2f}-{hi:.2f} |" in format_table(report)
+    assert report["rows"]["batch plain"]["2"]["vs_base_ci95"] == [1.0, 1.0]
+
+
+def test_a_ratio_interval_is_students_over_the_logs():
+    """Ten repeats 3 % to 7 % faster tell a gain apart from none; two repeats a tenth apart do not; one says
+    nothing."""
+    from rlxrt.app.serve.loadgen import ratio_interval
+
+    lo, hi = ratio_interval([1.03, 1.07, 1.05, 1.04, 1.06, 1.05, 1.03, 1.07, 1.05, 1.05])
+    assert 1.0 < lo < 1.05 < hi < 1.1
+    lo, hi = ratio_interval([0.95, 1.05])
+    assert lo < 0.7 and hi > 1.4  # t at one degree of freedom is 12.7
+    assert ratio_interval([1.2]) == [] and ratio_interval([1.0, 0.0]) == []
 
 
 @pytest.mark.parametrize("spec", ["llamacpp", "=http://x", "llamacpp=ftp://x", "a=b"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import socket
@@ -21,7 +22,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import median
+from statistics import mean, median, stdev
 from typing import Any
 
 from rlxrt.errors import InputError, RlxrtError, UsageError
@@ -342,6 +343,9 @@ def _report(args, levels, runs, name, ks) -> dict[str, Any]:
             paired = [r["tokens_per_second"] / p["tokens_per_second"] for r, p in zip(runs[label][c], runs[plain][c])]
             row["vs_plain_paired"] = round(median(paired), 3)  # each repeat against its own plain run: the
             row["vs_plain_runs"] = [round(x, 3) for x in paired]  # machine's drift between repeats cancels
+            base = [r["tokens_per_second"] / p["tokens_per_second"] for r, p in zip(runs[label][c], runs[first][c])]
+            row["vs_base_runs"] = [round(x, 3) for x in base]
+            row["vs_base_ci95"] = [round(x, 3) for x in ratio_interval(base)]
     return {"config": {"engines": args.engines, "external": list(args.external), "baseline": first,
                        "batch_sequences": max(levels),
                        "workers": args.workers, "threads_per_worker": args.threads, "requests": args.requests,
@@ -351,21 +355,46 @@ def _report(args, levels, runs, name, ks) -> dict[str, Any]:
                        "ks": [k or (2 if model_of(name) else 4) for k in ks], "adaptive_k": args.adaptive_k},
             "rows": rows, "note": "medians over interleaved repeats; tokens/s is all clients' tokens over wall time; "
                                   "vs_plain_paired: the median over repeats of each repeat's ratio to its engine's plain "
-                                  "run of the same repeat (vs_plain_runs)"}
+                                  "run of the same repeat (vs_plain_runs); vs_base_runs: each repeat's ratio to the "
+                                  "baseline's run of the same repeat, vs_base_ci95 the 95 % interval of their "
+                                  "geometric mean (Student's t over the logs; none from one repeat)"}
 
 
 def format_table(report: dict[str, Any]) -> str:
     rows = report["rows"]
     base = report["config"].get("baseline", "plain")
-    lines = [f"| server | clients | tok/s | vs {base} | vs its engine's plain | paired (range) | TTFT p50 / p95 (ms) | "
-             "latency p50 / p95 (s) | acceptance |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [f"| server | clients | tok/s | vs {base} | vs its engine's plain | paired (range) | vs {base} paired, 95 % | "
+             "TTFT p50 / p95 (ms) | latency p50 / p95 (s) | acceptance |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for label, per in rows.items():
         for c, r in per.items():
             lines.append(f"| {label} | {c} | {r['tokens_per_second']:.0f} | {r.get('speedup', 1.0):.2f}x | "
-                         f"{r.get('vs_plain', 1.0):.2f}x | {_paired(r)} | "
+                         f"{r.get('vs_plain', 1.0):.2f}x | {_paired(r)} | {_interval(r)} | "
                          f"{1000 * r['ttft_p50']:.0f} / {1000 * r['ttft_p95']:.0f} | "
                          f"{r['latency_p50']:.2f} / {r['latency_p95']:.2f} | {r['acceptance_rate']:.2f} |")
     return "\n".join(lines)
+
+
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+       11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 18: 2.101, 20: 2.086, 25: 2.060, 30: 2.042}
+"""Student's t, two-sided 95 %, by degrees of freedom (a missing one reads the next one below; past 30, 1.96)."""
+
+
+def ratio_interval(ratios: list[float]) -> list[float]:
+    """The 95 % interval of the geometric mean of paired ``ratios`` (Student's t over their logs); [] from
+    fewer than two, or where one is not above 0."""
+    if len(ratios) < 2 or min(ratios) <= 0:
+        return []
+    logs = [math.log(x) for x in ratios]
+    df = len(logs) - 1
+    t = 1.96 if df > 30 else T95[max(d for d in T95 if d <= df)]
+    half = t * stdev(logs) / math.sqrt(len(logs))
+    return [math.exp(mean(logs) - half), math.exp(mean(logs) + half)]
+
+
+def _interval(row: dict[str, Any]) -> str:
+    ci = row.get("vs_base_ci95") or []
+    return f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-"
 
 
 def _paired(row: dict[str, Any]) -> str:
