@@ -255,6 +255,28 @@ def _long_stream(client, tokens=900):
                                      extra_body={"ignore_eos": True})
 
 
+def _hold_first_request(pool) -> threading.Event:
+    """Make the first request ``pool`` runs wait after its first piece of text until the returned event is set:
+    a test that needs it running while it checks the queue does not then race the shipped target's decoding,
+    which on a fast machine finishes 1,000 tokens in half a second."""
+    hold, run = threading.Event(), pool._run
+
+    def held(session, job):
+        if not hold.is_set() and not getattr(held, "taken", False):
+            held.taken = True
+            text = job.text
+
+            def slow(piece):
+                text(piece)
+                hold.wait(30)
+
+            job.text = slow
+        return run(session, job)
+
+    pool._run = held
+    return hold
+
+
 def _wait(predicate, seconds=20.0):
     deadline = time.monotonic() + seconds
     while not predicate():
@@ -301,10 +323,11 @@ def test_a_queued_request_whose_client_left_gives_its_place_back_at_once(engine)
                     **({"cpu_kernels": "rlxrt"} if engine == "batch" else {}))
     server = Running(options(TARGET, workers=1, max_queue=1, engine=engine, config=config))
     pool = server.server.pool
+    hold = _hold_first_request(pool)
     try:
         c = server.client()
         busy = _long_stream(c, 1500)
-        next(iter(busy))  # the worker runs it
+        next(iter(busy))  # the worker runs it, and holds it after its first text until ``hold`` is set
         with pytest.raises(openai.APITimeoutError):  # queued behind it, then its client gives up
             server.client(timeout=0.5).completions.create(model="m", prompt="x", max_tokens=2)
         _wait(lambda: pool.waiting == 0)
@@ -314,6 +337,7 @@ def test_a_queued_request_whose_client_left_gives_its_place_back_at_once(engine)
             c.completions.create(model="m", prompt=PROMPTS[1], max_tokens=6, temperature=0).choices[0].text))
         queued.start()  # admitted: the dead request holds no place
         _wait(lambda: pool.waiting == 1)
+        hold.set()
         busy.close()
         queued.join(60)
         direct = Session(TARGET, None, CPU).generate(PROMPTS[1], max_new_tokens=6)
@@ -321,6 +345,7 @@ def test_a_queued_request_whose_client_left_gives_its_place_back_at_once(engine)
         _wait(lambda: pool.running == 0 and pool.waiting == 0)  # the dead request was skipped, counted once
         assert c.completions.create(model="m", prompt="x", max_tokens=2).usage.completion_tokens == 2
     finally:
+        hold.set()
         server.stop()
 
 
