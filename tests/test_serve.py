@@ -259,11 +259,11 @@ def _hold_first_request(pool) -> threading.Event:
     """Make the first request ``pool`` runs wait after its first piece of text until the returned event is set:
     a test that needs it running while it checks the queue does not then race the shipped target's decoding,
     which on a fast machine finishes 1,000 tokens in half a second."""
-    hold, run = threading.Event(), pool._run
+    hold, run, taken = threading.Event(), pool._run, []
 
     def held(session, job):
-        if not hold.is_set() and not getattr(held, "taken", False):
-            held.taken = True
+        if not taken:
+            taken.append(job)
             text = job.text
 
             def slow(piece):

@@ -340,10 +340,10 @@ def _report(args, levels, runs, name, ks) -> dict[str, Any]:
             row = rows[label][str(c)]
             row["speedup"] = round(row["tokens_per_second"] / rows[first][str(c)]["tokens_per_second"], 3)
             row["vs_plain"] = round(row["tokens_per_second"] / rows[plain][str(c)]["tokens_per_second"], 3)
-            paired = [r["tokens_per_second"] / p["tokens_per_second"] for r, p in zip(runs[label][c], runs[plain][c])]
+            paired = _ratios(runs[label][c], runs[plain][c])
             row["vs_plain_paired"] = round(median(paired), 3)  # each repeat against its own plain run: the
             row["vs_plain_runs"] = [round(x, 3) for x in paired]  # machine's drift between repeats cancels
-            base = [r["tokens_per_second"] / p["tokens_per_second"] for r, p in zip(runs[label][c], runs[first][c])]
+            base = _ratios(runs[label][c], runs[first][c])
             row["vs_base_runs"] = [round(x, 3) for x in base]
             row["vs_base_ci95"] = [round(x, 3) for x in ratio_interval(base)]
     return {"config": {"engines": args.engines, "external": list(args.external), "baseline": first,
@@ -358,6 +358,11 @@ def _report(args, levels, runs, name, ks) -> dict[str, Any]:
                                   "run of the same repeat (vs_plain_runs); vs_base_runs: each repeat's ratio to the "
                                   "baseline's run of the same repeat, vs_base_ci95 the 95 % interval of their "
                                   "geometric mean (Student's t over the logs; none from one repeat)"}
+
+
+def _ratios(runs: list[dict], against: list[dict]) -> list[float]:
+    """Each repeat's tokens a second over ``against``'s in the same repeat."""
+    return [r["tokens_per_second"] / p["tokens_per_second"] for r, p in zip(runs, against)]
 
 
 def format_table(report: dict[str, Any]) -> str:
