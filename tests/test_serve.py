@@ -255,11 +255,13 @@ def _long_stream(client, tokens=900):
                                      extra_body={"ignore_eos": True})
 
 
-def _hold_first_request(pool) -> threading.Event:
-    """Make the first request ``pool`` runs wait after its first piece of text until the returned event is set:
-    a test that needs it running while it checks the queue does not then race the shipped target's decoding,
-    which on a fast machine finishes 1,000 tokens in half a second."""
+def _hold_next_request(pool) -> threading.Event:
+    """Make the next request ``pool`` runs wait after its first piece of text until the returned event is set
+    (its job is then ``event.jobs[0]``): a test that needs it running while it checks the queue, or while its
+    client gives up, does not then race the shipped target's decoding, which on a fast machine finishes 1,000
+    tokens in half a second."""
     hold, run, taken = threading.Event(), pool._run, []
+    hold.jobs = taken
 
     def held(session, job):
         if not taken:
@@ -286,6 +288,7 @@ def _wait(predicate, seconds=20.0):
 
 def test_queue_full_is_429_and_disconnect_frees_the_worker():
     server = Running(options(TARGET, workers=1, max_queue=1))
+    hold = None
     try:
         c = server.client()
         busy = _long_stream(c)
@@ -305,12 +308,17 @@ def test_queue_full_is_429_and_disconnect_frees_the_worker():
         assert 'rlxrt:request_rejected_total{model_name="m"} 1.0' in metrics
         assert c.completions.create(model="m", prompt="x", max_tokens=2).choices[0].text is not None
         # a non-streaming client that gives up (its own timeout) is cancelled too
+        hold = _hold_next_request(server.server.pool)  # it runs on until its client has gone
         with pytest.raises(openai.APITimeoutError):
             server.client(timeout=0.4).completions.create(model="m", prompt=PROMPTS[0], max_tokens=1000,
                                                           temperature=0, extra_body={"ignore_eos": True})
+        _wait(lambda: hold.jobs and hold.jobs[0].cancel.is_set())
+        hold.set()
         _wait(lambda: server.server.pool.running == 0)
         assert 'finished_reason="cancelled",model_name="m"} 2.0' in _get(f"{server.url}/metrics")
     finally:
+        if hold is not None:
+            hold.set()
         server.stop()
 
 
@@ -323,7 +331,7 @@ def test_a_queued_request_whose_client_left_gives_its_place_back_at_once(engine)
                     **({"cpu_kernels": "rlxrt"} if engine == "batch" else {}))
     server = Running(options(TARGET, workers=1, max_queue=1, engine=engine, config=config))
     pool = server.server.pool
-    hold = _hold_first_request(pool)
+    hold = _hold_next_request(pool)
     try:
         c = server.client()
         busy = _long_stream(c, 1500)
@@ -364,10 +372,11 @@ def test_a_full_server_turns_a_request_away_before_parsing_it_and_parses_off_the
         return prepare(raw, chat, deadline)
 
     s.prepare = counted
+    hold = _hold_next_request(s.pool)
     try:
         c = server.client()
         busy = _long_stream(c, 1500)
-        next(iter(busy))  # the one worker runs it; the queue holds none
+        next(iter(busy))  # the one worker runs it, held until the refusal is seen; the queue holds none
         assert parsed and parsed[0].startswith("rlxrt-tokenise")
         big = {"model": "m", "prompt": "word " * 1_000_000, "max_tokens": 2}  # ~5 MB
         req = urllib.request.Request(f"{server.url}/v1/completions", json.dumps(big).encode(),
@@ -376,11 +385,13 @@ def test_a_full_server_turns_a_request_away_before_parsing_it_and_parses_off_the
             urllib.request.urlopen(req, timeout=30)
         assert err.value.code == 429 and err.value.headers["Retry-After"] == "1"
         assert len(parsed) == 1  # refused before its body was parsed or tokenised
+        hold.set()
         busy.close()
         _wait(lambda: s.pool.running == 0)
         assert c.completions.create(model="m", prompt="x", max_tokens=2).usage.completion_tokens == 2
         assert 'rlxrt:request_rejected_total{model_name="m"} 1.0' in _get(f"{server.url}/metrics")
     finally:
+        hold.set()
         server.stop()
 
 
