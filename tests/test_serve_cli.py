@@ -212,6 +212,28 @@ def test_bench_serve_measures_an_external_server_beside_its_own(tmp_path):
     assert "| other | 2 |" in run.stdout
 
 
+@pytest.mark.slow
+def test_bench_serve_fresh_starts_every_server_for_each_repeat_beside_a_control(tmp_path):
+    """``--fresh``: each repeat measures new processes of rlxrt's servers (two processes of one server can differ
+    for their whole lives); ``--control``: a second baseline, identical to the first, reported like the others."""
+    import json
+
+    out = tmp_path / "b"
+    run = subprocess.run([sys.executable, "-m", "rlxrt", "bench-serve", "--engines", "batch", "--speculator", "none",
+                          "--concurrency", "1", "--requests", "2", "--max-tokens", "8", "--repeats", "2", "--fresh",
+                          "--control", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    report = json.loads((out / "bench-serve.json").read_text())
+    assert list(report["rows"]) == ["batch plain", "batch plain (control)", "batch none k=4"]
+    assert report["config"]["fresh_servers"] is True and report["config"]["baseline"] == "batch plain"
+    pids = report["processes"]
+    assert set(pids) == set(report["rows"]) and all(len(set(p)) == 2 for p in pids.values())
+    assert len({p for ps in pids.values() for p in ps}) == 6  # no process measured in two repeats or as two servers
+    control = report["rows"]["batch plain (control)"]["1"]
+    assert len(control["vs_base_runs"]) == 2 and control["tokens_per_second"] > 0
+    assert "| batch plain (control) | 1 |" in run.stdout
+
+
 def test_bench_serve_pairs_each_repeat_with_its_own_plain_run():
     """The machine drifts between repeats: each repeat's speculative run is divided by its engine's plain run of
     the same repeat, and the median of those ratios is reported beside the ratio of the medians."""
@@ -250,6 +272,35 @@ def test_a_ratio_interval_is_students_over_the_logs():
     lo, hi = ratio_interval([0.95, 1.05])
     assert lo < 0.7 and hi > 1.4  # t at one degree of freedom is 12.7
     assert ratio_interval([1.2]) == [] and ratio_interval([1.0, 0.0]) == []
+
+
+def test_bench_serve_pools_the_paired_ratios_from_two_clients_up():
+    """One level's interval is wide; the ratios of every level from 2 clients up, taken together, tell a loss of
+    a few percent apart from none where no level alone does. One client stays out of the pool."""
+    import argparse
+
+    from rlxrt.app.serve.loadgen import _report, format_table
+
+    def run(rate):
+        return {"tokens_per_second": rate, "ttft_p50": 0.01, "ttft_p95": 0.02, "latency_p50": 0.1,
+                "latency_p95": 0.2, "acceptance_rate": 0.5}
+
+    ratios = {1: [1.5, 1.6, 1.4], 2: [0.92, 1.0, 0.93], 4: [0.97, 0.91, 0.95], 8: [0.98, 0.92, 0.94]}
+    runs = {"batch plain": {c: [run(100.0) for _ in r] for c, r in ratios.items()},
+            "batch draft k=2": {c: [run(100.0 * x) for x in r] for c, r in ratios.items()}}
+    args = argparse.Namespace(engines="batch", external=[], workers=2, threads=1, requests=8, max_tokens=16,
+                              repeats=3, target=None, adaptive_k=False)
+    report = _report(args, [1, 2, 4, 8], runs, "draft", [2])
+    for c in ("2", "4", "8"):  # no level alone excludes 1.0
+        lo, hi = report["rows"]["batch draft k=2"][c]["vs_base_ci95"]
+        assert lo < 1.0 < hi
+    pooled = report["pooled"]["batch draft k=2"]
+    assert pooled["clients"] == [2, 4, 8] and pooled["ratios"] == 9
+    assert pooled["vs_base"] == 0.946  # the geometric mean of the nine, the one-client runs left out
+    lo, hi = pooled["vs_base_ci95"]
+    assert 0.9 < lo < hi < 0.98
+    assert report["pooled"]["batch plain"]["vs_base_ci95"] == [1.0, 1.0]
+    assert f"| batch draft k=2 | 2,4,8 | 9 | 0.946x | {lo:.3f}-{hi:.3f} |" in format_table(report)
 
 
 @pytest.mark.parametrize("spec", ["llamacpp", "=http://x", "llamacpp=ftp://x", "a=b"])

@@ -5,7 +5,11 @@ nothing is lost (every greedy or seeded answer equals the same request served al
 Each server runs in its own process (``rlxrt serve``), started here on a free port; the clients are one asyncio
 loop in this process (httpx), so the numbers include HTTP, JSON and SSE, as a user of the server sees them.
 ``--external NAME=URL`` adds an OpenAI-compatible server already running (llama.cpp's ``llama-server``, say),
-sent the same requests in the same interleaved order.
+sent the same requests in the same interleaved order. ``--fresh`` starts rlxrt's servers anew for every repeat, so
+that what sets one process apart from another (where its memory landed, what it timed as it started) is sampled
+with the repeats instead of measured once. ``--control`` adds a second baseline server, identical to the first,
+whose ratio to it shows what the measurement cannot tell apart. The report pools each server's paired ratios
+from 2 clients up (``pooled``): on a shared machine one level's interval is several percent wide.
 """
 from __future__ import annotations
 
@@ -46,6 +50,11 @@ def add_bench_serve(add, model_flags) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per request (EOS ignored; default 128)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
     p.add_argument("--ks", help="draft lengths to compare, one speculative server each (e.g. 2,3,4; default: -k)")
+    p.add_argument("--fresh", action="store_true",
+                   help="start every rlxrt server anew for each repeat, in alternating order, so that the "
+                        "intervals hold what one process of a server differs from another (external servers stay)")
+    p.add_argument("--control", action="store_true",
+                   help="a second, identical baseline server: what two servers that differ in nothing differ by")
     p.add_argument("--soak", type=int, help="instead: a soak run of N mixed requests on the speculative server")
     p.add_argument("--seed", type=int, default=0, help="soak: the mix's random seed")
     p.add_argument("--external", action="append", default=[], metavar="NAME=URL",
@@ -98,6 +107,27 @@ class ServerProcess:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+def _start(wanted: list[tuple[list[str], str]], reverse: bool = False) -> dict[str, ServerProcess]:
+    """rlxrt's servers, one at a time (a batch server times its steps as it starts), in ``wanted``'s order or
+    its reverse; returned in ``wanted``'s order. Where one fails, those already started are stopped."""
+    started: dict[str, ServerProcess] = {}
+    try:
+        for flags, label in (wanted[::-1] if reverse else wanted):
+            started[label] = ServerProcess(flags, label)
+            started[label].wait_ready()
+    except BaseException:
+        for server in started.values():
+            server.stop()
+        raise
+    return {label: started[label] for _, label in wanted}
+
+
+def _warm(servers, prompts: list[str], clients: int) -> None:
+    """The first runs of each server's graphs, before any is timed."""
+    for s in servers:
+        asyncio.run(run_batch(s.url, _bodies(prompts, 2 * clients, 16), clients))
 
 
 class ExternalServer:
@@ -283,41 +313,28 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         print(json.dumps({k: v for k, v in report.items() if k != "rss_mb"}, indent=2))
         print(f"wrote {out / 'soak.json'}", file=sys.stderr)
         return 0 if report["mismatches"] == 0 and report["errors"] == 0 else 1
-    servers = {}
+    wanted = _wanted(args, engines, ks, name, max(levels))
+    for e in externals:
+        if e.label in {label for _, label in wanted}:
+            raise UsageError(f"--external name {e.label!r} is one of rlxrt's servers; choose another")
+    labels = [label for _, label in wanted] + [e.label for e in externals]
+    runs: dict[str, dict[int, list[dict]]] = {k: {c: [] for c in levels} for k in labels}
+    servers: dict[str, Any] = {}
     try:
-        for engine in engines:
-            flags = lambda k, adaptive=None: _server_flags(args, k, adaptive, engine, max(levels))  # noqa: E731
-            wanted = [(flags(ks[0])[0], f"{engine} plain")]
-            for k in ks:  # with --adaptive-k, an adaptive server beside each fixed one
-                label = f"{engine} {name} k={k or (2 if name in ('draft', 'mtp') else 4)}"
-                wanted.append((flags(k, False)[1], label))
-                if args.adaptive_k:
-                    wanted.append((flags(k, True)[1], f"{label} adaptive"))
-            for server_flags, label in wanted:  # one at a time: a batch server times its steps as it starts
-                servers[label] = ServerProcess(server_flags, label)
-                servers[label].wait_ready()
+        if not args.fresh:
+            servers.update(_start(wanted))
+        pids = {label: [servers[label].proc.pid] if label in servers else [] for _, label in wanted}
         for e in externals:
-            if e.label in servers:
-                raise UsageError(f"--external name {e.label!r} is one of rlxrt's servers; choose another")
             e.wait_ready()
             servers[e.label] = e
-        runs: dict[str, dict[int, list[dict]]] = {k: {c: [] for c in levels} for k in servers}
-        for s in servers.values():  # warm-up: first runs of each graph
-            asyncio.run(run_batch(s.url, _bodies(prompts, 2 * max(levels), 16), max(levels)))
-        for rep in range(args.repeats):
-            for c in levels:
-                order = list(servers.items()) if rep % 2 == 0 else list(reversed(servers.items()))
-                for label, s in order:
-                    results, wall = asyncio.run(run_batch(s.url, _bodies(prompts, args.requests, args.max_tokens), c))
-                    runs[label][c].append(_measure(results, wall))
-                    print(f"  repeat {rep + 1}/{args.repeats} concurrency {c:>2} {label:<18} "
-                          f"{runs[label][c][-1]['tokens_per_second']:8.1f} tok/s", file=sys.stderr)
-        batches = {label: s.batch_report() for label, s in servers.items() if isinstance(s, ServerProcess)}
+        _warm(servers.values(), prompts, max(levels))
+        batches = _repeats(args, wanted, labels, servers, runs, levels, prompts, pids)
     finally:
         for s in servers.values():
             s.stop()
     report = _report(args, levels, runs, name, ks)
     report["batches"] = {label: b for label, b in batches.items() if b is not None}
+    report["processes"] = pids  # each rlxrt server's process ids: one, or one a repeat with --fresh
     (out / "bench-serve.json").write_text(json.dumps(report, indent=2) + "\n")
     print(format_table(report))
     try:
@@ -326,6 +343,50 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         print("(no chart: pip install matplotlib)", file=sys.stderr)
     print(f"wrote {out / 'bench-serve.json'}", file=sys.stderr)
     return 0
+
+
+def _wanted(args, engines: list[str], ks: list, name: str, slots: int) -> list[tuple[list[str], str]]:
+    """(flags, label) of every rlxrt server to measure, the baseline first."""
+    wanted = []
+    for engine in engines:
+        flags = lambda k, adaptive=None: _server_flags(args, k, adaptive, engine, slots)  # noqa: E731
+        wanted.append((flags(ks[0])[0], f"{engine} plain"))
+        if args.control and engine == engines[0]:
+            wanted.append((flags(ks[0])[0], f"{engine} plain (control)"))
+        for k in ks:  # with --adaptive-k, an adaptive server beside each fixed one
+            label = f"{engine} {name} k={k or (2 if name in ('draft', 'mtp') else 4)}"
+            wanted.append((flags(k, False)[1], label))
+            if args.adaptive_k:
+                wanted.append((flags(k, True)[1], f"{label} adaptive"))
+    return wanted
+
+
+def _repeats(args, wanted, labels: list[str], servers: dict, runs: dict, levels: list[int], prompts,
+             pids: dict[str, list[int]]) -> dict:
+    """Every repeat: each level, each server in turn (the order reversed every other repeat), into ``runs``;
+    with ``--fresh`` rlxrt's servers are started for the repeat (their process ids into ``pids``) and stopped
+    after it. The batch reports of the last processes."""
+    batches: dict[str, Any] = {}
+    for rep in range(args.repeats):
+        if args.fresh:  # started in turn forward and backward: neither end of the order is always first
+            started = _start(wanted, reverse=rep % 2 == 1)
+            servers.update(started)
+            for label, server in started.items():
+                pids[label].append(server.proc.pid)
+            _warm(started.values(), prompts, max(levels))
+        for c in levels:
+            for label in (labels if rep % 2 == 0 else labels[::-1]):
+                results, wall = asyncio.run(run_batch(servers[label].url,
+                                                      _bodies(prompts, args.requests, args.max_tokens), c))
+                runs[label][c].append(_measure(results, wall))
+                print(f"  repeat {rep + 1}/{args.repeats} concurrency {c:>2} {label:<18} "
+                      f"{runs[label][c][-1]['tokens_per_second']:8.1f} tok/s", file=sys.stderr)
+        if args.fresh or rep == args.repeats - 1:
+            batches.update({label: servers[label].batch_report() for _, label in wanted})
+        if args.fresh:
+            for label in started:
+                servers.pop(label).stop()
+    return batches
 
 
 def _report(args, levels, runs, name, ks) -> dict[str, Any]:
@@ -346,18 +407,35 @@ def _report(args, levels, runs, name, ks) -> dict[str, Any]:
             base = _ratios(runs[label][c], runs[first][c])
             row["vs_base_runs"] = [round(x, 3) for x in base]
             row["vs_base_ci95"] = [round(x, 3) for x in ratio_interval(base)]
-    return {"config": {"engines": args.engines, "external": list(args.external), "baseline": first,
+    return {"pooled": _pooled(levels, runs, first), "config": {"engines": args.engines, "external": list(args.external), "baseline": first,
                        "batch_sequences": max(levels),
                        "workers": args.workers, "threads_per_worker": args.threads, "requests": args.requests,
                        "max_tokens": args.max_tokens, "repeats": args.repeats, "cpu_count": os.cpu_count(),
                        "target": Path(args.target).name if args.target else "shipped reference target",
                        "speculator": name,
-                       "ks": [k or (2 if model_of(name) else 4) for k in ks], "adaptive_k": args.adaptive_k},
+                       "ks": [k or (2 if model_of(name) else 4) for k in ks], "adaptive_k": args.adaptive_k,
+                       "fresh_servers": bool(getattr(args, "fresh", False))},
             "rows": rows, "note": "medians over interleaved repeats; tokens/s is all clients' tokens over wall time; "
                                   "vs_plain_paired: the median over repeats of each repeat's ratio to its engine's plain "
                                   "run of the same repeat (vs_plain_runs); vs_base_runs: each repeat's ratio to the "
                                   "baseline's run of the same repeat, vs_base_ci95 the 95 % interval of their "
-                                  "geometric mean (Student's t over the logs; none from one repeat)"}
+                                  "geometric mean (Student's t over the logs; none from one repeat); pooled: every "
+                                  "such ratio from 2 clients up, their geometric mean and its 95 % interval"}
+
+
+def _pooled(levels: list[int], runs: dict, first: str) -> dict[str, Any]:
+    """Each server's paired ratios to the baseline at every level from 2 clients up, taken together: one run's
+    interval at one level is several percent wide on a shared machine, and the goal is the same at each level.
+    Their geometric mean and its 95 % interval (none from fewer than two ratios)."""
+    shared = [c for c in levels if c >= 2]
+    pooled = {}
+    for label, per in runs.items():
+        ratios = [x for c in shared for x in _ratios(per[c], runs[first][c])]
+        if len(ratios) >= 2 and min(ratios) > 0:
+            pooled[label] = {"clients": shared, "ratios": len(ratios),
+                             "vs_base": round(math.exp(mean(math.log(x) for x in ratios)), 3),
+                             "vs_base_ci95": [round(x, 3) for x in ratio_interval(ratios)]}
+    return pooled
 
 
 def _ratios(runs: list[dict], against: list[dict]) -> list[float]:
@@ -377,12 +455,21 @@ def format_table(report: dict[str, Any]) -> str:
                          f"{r.get('vs_plain', 1.0):.2f}x | {_paired(r)} | {_interval(r)} | "
                          f"{1000 * r['ttft_p50']:.0f} / {1000 * r['ttft_p95']:.0f} | "
                          f"{r['latency_p50']:.2f} / {r['latency_p95']:.2f} | {r['acceptance_rate']:.2f} |")
+    pooled = report.get("pooled") or {}
+    if pooled:
+        lines += ["", f"| server | clients, pooled | paired ratios | vs {base}, geometric mean | 95 % |",
+                  "| --- | --- | --- | --- | --- |"]
+        for label, p in pooled.items():
+            lo, hi = p["vs_base_ci95"]
+            lines.append(f"| {label} | {','.join(map(str, p['clients']))} | {p['ratios']} | {p['vs_base']:.3f}x | "
+                         f"{lo:.3f}-{hi:.3f} |")
     return "\n".join(lines)
 
 
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-       11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 18: 2.101, 20: 2.086, 25: 2.060, 30: 2.042}
-"""Student's t, two-sided 95 %, by degrees of freedom (a missing one reads the next one below; past 30, 1.96)."""
+       11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 18: 2.101, 20: 2.086, 25: 2.060, 30: 2.042,
+       40: 2.021, 60: 2.000, 120: 1.980}
+"""Student's t, two-sided 95 %, by degrees of freedom (a missing one reads the next one below; past 120, 1.96)."""
 
 
 def ratio_interval(ratios: list[float]) -> list[float]:
@@ -392,7 +479,7 @@ def ratio_interval(ratios: list[float]) -> list[float]:
         return []
     logs = [math.log(x) for x in ratios]
     df = len(logs) - 1
-    t = 1.96 if df > 30 else T95[max(d for d in T95 if d <= df)]
+    t = 1.96 if df > 120 else T95[max(d for d in T95 if d <= df)]
     half = t * stdev(logs) / math.sqrt(len(logs))
     return [math.exp(mean(logs) - half), math.exp(mean(logs) + half)]
 
