@@ -344,8 +344,10 @@ class DraftCost:
 
 TRIM_FROM = 4
 """A guard's window of at least this many steps leaves out its step of the lowest rate (``Guard``)."""
-TRY_BUDGET = 0.01
-"""The share of a settled guard's rate its tries of the worse mode may cost (``Guard``)."""
+TRY_BUDGET = 0.005
+"""The share of a settled guard's rate its tries of the worse mode may cost (``Guard``; replayed on a server's own
+step times, 0.005 served as much as 0.01 or more, with up to 0.7 % more where one mode is far ahead:
+``scripts/guard_replay.py``, docs/performance.md, "Stop 63")."""
 
 
 class Guard:
@@ -369,7 +371,7 @@ class Guard:
     read while the other mode ran (a head reads every row since its last proposal), a cost of switching, not of
     the mode. A try that confirms the choice by a wide margin also spaces the next one so that tries cost at
     most ``budget`` of the rate (a try window in a mode that serves a fraction f less, once every E + 2 windows,
-    costs about f / (E + 2)), up to ``explore_far`` windows: where drafting serves 40 % less, tries come every
+    costs about f / (E + 2)), up to ``explore_far`` windows: where drafting serves 20 % less, tries come every
     ~38 windows, not every 16; where the modes are a few percent apart, doubling alone spaces them, and a try
     that confirms by a small margin brings the spacing back to what doubling gives."""
 
