@@ -96,9 +96,8 @@ def replay(args) -> int:
     plain_trace, drafting_trace = (_load(p)["steps"] for p in (args.plain_trace, args.drafting_trace))
     rules = {f"budget {b}": (lambda b=b: Guard(budget=b)) for b in map(float, args.budgets.split(","))}
     for load in args.loads.split(","):
-        timeline = [tuple(x) for x in plain_trace[load]["plain"]]
         drafts, plain_ref = drafting_trace[load]["drafting"], drafting_trace[load]["plain"]
-        timeline = [(us / 1e6, n) for us, n in timeline]
+        timeline = [(us / 1e6, n) for us, n in plain_trace[load]["plain"]]
         drafts, plain_ref = [(us / 1e6, n) for us, n in drafts], [(us / 1e6, n) for us, n in plain_ref]
         print(f"\n{load} sequences: {len(timeline)} plain steps, {sum(s for s, _ in timeline):.1f} s; "
               f"{len(drafts)} drafting steps for their spread")
