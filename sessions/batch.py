@@ -19,7 +19,8 @@ token costs the step its row and what the step waits for while the slots draft: 
 (``k_policy.DraftCost``). A Session whose speculator has several sources (lookup, then a head) is planned a k
 for each, from each source's own acceptance, cost and chance of drafting the round. What the plan cannot see is
 measured by its outcome: ``k_policy.Guard`` keeps drafting on only while steps that draft serve more tokens a
-second than steps that do not.
+second than steps that do not, at every load; alone too, since a Session's own k choice drafts at least one
+token a round.
 """
 from __future__ import annotations
 
@@ -258,7 +259,7 @@ class Batch:
         gap = start - self._ended if self._ended is not None else None
         if own:  # what the step tells the plan and the guard (a draft's batch has neither)
             rounds = not any(s.fresh for s in taking)  # every slot past its prompt: the step holds rounds alone
-            clean = len(taking) > 1 and rounds and any(s.sources for s in taking)  # none drafts: nothing to tell
+            clean = rounds and any(s.sources for s in taking)  # none can draft: nothing to tell
             drafted = sum(len(s.pending) - 1 for s in taking) if clean else 0
             caught_up = any(len(s.pending) > 1 and not s.drafted_last for s in taking)  # first drafts in a while
             for s in taking:
@@ -301,9 +302,9 @@ class Batch:
                 for s in taking:
                     s._gap = self._gap if len(s.pending) > 1 else None
         active = self._active_count()
-        arm = active <= 1 or not own or self.guard(active).drafting  # else no Session drafts next round
+        arm = not own or self.guard(active).drafting  # else no Session drafts next round
         self.drafts_next, self.planned_next = arm, False
-        if error is None and own and len(parts) > 1:  # a lone sequence drafts as its Session would (k_for)
+        if error is None and own and len(parts) > 1:  # a lone sequence is not planned (k_for)
             if not arm:  # nobody drafts next round: planned again when the guard drafts (k_for)
                 self._plan = {}
             elif self.steps - self._planned >= REPLAN_STEPS or not self._plan:
@@ -515,7 +516,8 @@ class Batch:
         return self._active
 
     def guard(self, sequences: int) -> Guard:
-        """The guard of a step of this many sequences: one per power of two (2, 3-4, 5-8, 9-16, ...)."""
+        """The guard of a step of this many sequences: one for a lone sequence, then one per power of two (2, 3-4,
+        5-8, 9-16, ...)."""
         load = _load(sequences)
         if load not in self.guards:
             self.guards[load] = Guard()
@@ -542,13 +544,13 @@ class Batch:
 
     def k_for(self, slot: "Slot") -> list[int] | int:
         """The planned k of each of ``slot``'s sources (planned again when it wants another k than the plan
-        assumed), or one k for all of them: a lone sequence drafts what its Session would draft alone, and
-        none drafts where the guard says so."""
+        assumed), or one k for all of them: none drafts where the load's guard says so, and a lone sequence
+        otherwise drafts what its Session would draft alone."""
         active = self._active_count()
-        if active <= 1:
-            return slot.k_wanted
         if not self.guard(active).drafting:
             return 0
+        if active <= 1:
+            return slot.k_wanted
         n = len(slot.sources)
         ks, wanted = self._plan.get(slot, ((), -1))
         if wanted != slot.k_wanted or len(ks) != n:
@@ -573,13 +575,14 @@ class _Gap:
 
 
 def _load(sequences: int) -> int:
-    """The load of a step of this many sequences: 1 for one or two, 2 for 3-4, 3 for 5-8, ..."""
-    return max(sequences - 1, 1).bit_length()
+    """The load of a step of this many sequences: 0 for one (a lone sequence), 1 for two, 2 for 3-4, 3 for
+    5-8, ..."""
+    return (sequences - 1).bit_length() if sequences > 1 else 0
 
 
 def load_label(load: int) -> str:
-    """The sequences a step holds under ``Batch.guards[load]``: "2", "3-4", "5-8", "9-16", ..."""
-    low, high = (2 ** (load - 1) + 1, 2 ** load) if load > 1 else (2, 2)
+    """The sequences a step holds under ``Batch.guards[load]``: "1", "2", "3-4", "5-8", "9-16", ..."""
+    low, high = (2 ** (load - 1) + 1, 2 ** load) if load > 1 else (load + 1, load + 1)
     return str(low) if low == high else f"{low}-{high}"
 
 

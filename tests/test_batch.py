@@ -6,6 +6,7 @@ cannot be batched is refused with the fix."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from rlxrt.errors import GenerationError, ProviderError
 from rlxrt.sampling import SamplingParams
 from rlxrt.sessions import Cascade, DraftModel, MtpHead, PromptLookup, Session
 from rlxrt.sessions.batch import Batch
+from rlxrt.speculator import DraftProposal, Speculator
 from rlxrt.sessions.fused import FusedKVModel
 from rlxrt.app.flags import head_dir
 from rlxrt.app.reference import reference_pair
@@ -736,3 +738,39 @@ def test_a_planned_round_reads_its_k_without_the_lock_until_it_wants_another():
     finally:
         batch.release(a)
         batch.release(b)
+
+
+class _Known(Speculator):
+    """Drafts a known continuation; ``wrong``: every draft a miss that costs 10 ms a token."""
+
+    name = "known"
+
+    def __init__(self, prompt_len: int, continuation: list[int], wrong: bool = False):
+        self.start, self.ids, self.wrong = prompt_len, continuation, wrong
+
+    def propose(self, ctx, k):
+        done = len(ctx.tokens) - self.start
+        ids = np.array(self.ids[done:done + k], np.int64)
+        if self.wrong:
+            time.sleep(10e-3 * len(ids))
+            ids = (ids + 1) % 64
+        return DraftProposal(ids)
+
+
+def test_a_lone_sequence_drafts_only_where_its_guard_finds_drafting_serves_more():
+    """Alone on a Batch, a Session's own k choice drafts at least one token every round; the lone sequence's
+    guard measures both modes and keeps the better: it stops drafting where every draft is a miss that costs
+    10 ms a token, and drafts on where every draft is right and free. Each output equals the plain run's."""
+    plain = Session(TARGET, None, CFG)
+    ids = plain.prompt_ids(CODE)
+    expected = plain.generate(ids, max_new_tokens=160, ignore_eos=True).token_ids
+    for wrong in (True, False):
+        batch = Batch(TARGET, CFG, slots=1, calibrate=False)
+        session = Session(batch, _Known(len(ids), expected, wrong), CFG, k=3)
+        g = session.generate(ids, max_new_tokens=160, ignore_eos=True)
+        assert g.token_ids == expected
+        guard = batch.guards[0]
+        assert None not in guard.rates.values() and guard.drafting is not wrong
+        assert set(batch.guards) == {0} and batch.report()["guards"] == {"1": "plain" if wrong else "drafting"}
+        if wrong:  # its first window of each mode, and at most one try of drafting: a small share of the rounds
+            assert g.stats.drafted_per_position[0] <= 3 * guard.window + 3 < g.stats.rounds / 2
