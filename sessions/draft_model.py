@@ -11,6 +11,13 @@ nothing) never pays for the draft's reading of its prompt.
 
 Given a ``Batch`` of the draft model, it drafts on a slot of it: the drafts of every Session of the target's
 Batch then run in the same steps, each weight read once for all of them (``Slot.lead``).
+
+A draft that has more than ``catch_up`` tokens to read (its first proposal after a long prompt, or after rounds
+that drafted nothing: under load a batch drafts in some steps only) starts again on the last ``catch_up`` of
+them: what it proposes next depends on recent text, and it is the target that decides what is kept. On the
+shipped pair, drafts that read only their last 16-256 tokens were accepted as often as drafts that read all
+(docs/performance.md, "Stop 64"); a catch-up of a whole text cost a step of every sequence's drafts several
+milliseconds in each of a loaded server's tries of drafting. ``catch_up=None`` reads everything.
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ import weakref
 import numpy as np
 
 from rlxrt.backends import CompiledGraph, compile
+from rlxrt.checks import as_int
 from rlxrt.config import Config
 from rlxrt.errors import GenerationError
 from rlxrt.speculator import AcceptDecision, Context, DraftProposal, VerifyResult
@@ -29,13 +37,22 @@ from .drafting import ModelSpeculator, check_same_vocabulary
 from .state import decoder_for
 
 
+CATCH_UP = 64
+"""The most tokens a draft reads to catch up on the text (see the module's text)."""
+
+
 class DraftModel(ModelSpeculator):
     name = "draft-model"
     default_k = 4  # best at temperature 0 on the shipped pair (exporters/reference/results/bench.json)
 
     def __init__(self, draft: "str | os.PathLike | CompiledGraph | Batch", config: Config | None = None, *,
-                 min_prob: float = 0.0):
+                 min_prob: float = 0.0, catch_up: int | None = CATCH_UP):
         from .batch import Batch
+
+        self.catch_up = None if catch_up is None else as_int(catch_up, "catch_up (the most tokens a draft reads to "
+                                                             "catch up; None: all)", 1, 1 << 20)
+        self.offset = 0
+        """The position in the text of the draft's first one (above 0 once it started again on the last tokens)."""
 
         if isinstance(draft, Batch):  # a slot of the draft's batch, for this speculator's life
             self.model = draft.slot()
@@ -59,17 +76,29 @@ class DraftModel(ModelSpeculator):
 
     def reset(self) -> None:
         self.model.reset()
+        self.offset = 0
+
+    def _unread(self, ctx: Context) -> list[int]:
+        """The tokens the draft reads next: all it has not read, or the last ``catch_up`` of the text where it
+        has more than that to read (it then starts again on them)."""
+        m = self.model
+        start = self.offset + m.length
+        if self.catch_up is not None and len(ctx.tokens) - start > self.catch_up:
+            m.reset()
+            self.offset = start = len(ctx.tokens) - self.catch_up
+        return ctx.tokens[start:]
 
     def propose(self, ctx: Context, k: int) -> DraftProposal:
         m = self.model
-        k = min(k, ctx.room(m.max_positions))
+        k = min(k, ctx.room(m.max_positions + self.offset))
         if k <= 0:
             return DraftProposal(np.zeros(0, np.int64))
+        unread = self._unread(ctx)
         if m.shared and ctx.params.greedy and not self.min_prob:  # the whole chain in the batch's steps
-            return DraftProposal(m.chain(ctx.unread(m.length), k))
+            return DraftProposal(m.chain(unread, k))
         if m.greedy_ids and ctx.params.greedy and not self.min_prob:  # argmax ids from the draft's greedy head
-            return self.chain_ids(m.forward_ids(ctx.unread(m.length), rows=1)[-1], k, lambda x: m.forward_ids((x,))[0])
-        return self.chain(m.forward(ctx.unread(m.length), rows=1)[-1], k, ctx, lambda x: m.forward((x,))[0])
+            return self.chain_ids(m.forward_ids(unread, rows=1)[-1], k, lambda x: m.forward_ids((x,))[0])
+        return self.chain(m.forward(unread, rows=1)[-1], k, ctx, lambda x: m.forward((x,))[0])
 
     def commit(self, ctx: Context, decision: AcceptDecision, verify: VerifyResult) -> None:
-        self.model.commit(ctx.read)
+        self.model.commit(ctx.read - self.offset)

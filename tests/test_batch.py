@@ -125,14 +125,17 @@ def test_sessions_joining_and_leaving_equal_their_lone_runs():
     assert {i: got[i] for i in lone} == lone
 
 
-def test_drafts_on_a_draft_batch_step_together_and_equal_their_lone_runs():
+@pytest.mark.parametrize("catch_up", [None, 5])
+def test_drafts_on_a_draft_batch_step_together_and_equal_their_lone_runs(catch_up):
     """Sessions whose draft model drafts on a slot of the draft's own Batch: their drafts run in shared steps
     (more calls than steps), and every output equals the lone run's, greedy and seeded, with a draft alone and
     behind prompt lookup (a round that drafts from the lookup, or not at all, leaves the draft's steps at once:
-    a step that waited for it would wait out the minute both batches gather for)."""
+    a step that waited for it would wait out the minute both batches gather for); also where a draft more than
+    5 tokens behind starts again on the last 5 (after the prompt, and after the lookup's rounds)."""
     batch = Batch(TARGET, CFG, slots=6, chunk=16, gather_seconds=60)
     drafts = Batch(DRAFT, CFG, slots=6, chunk=16, gather_seconds=60, calibrate=False)
-    makers = [lambda d: DraftModel(d, CFG), lambda d: Cascade(PromptLookup(min_n=3), DraftModel(d, CFG))]
+    makers = [lambda d: DraftModel(d, CFG, catch_up=catch_up),
+              lambda d: Cascade(PromptLookup(min_n=3), DraftModel(d, CFG, catch_up=catch_up))]
     requests = [(CODE + " " * i, dict(max_new_tokens=20 + 6 * (i % 3), ignore_eos=True,
                                      **({"temperature": 0.8, "seed": i} if i % 3 == 2 else {}))) for i in range(6)]
     lone = {i: Session(TARGET, makers[i % 2](DRAFT), CFG, k=3).generate(p, **kw).token_ids
@@ -774,3 +777,36 @@ def test_a_lone_sequence_drafts_only_where_its_guard_finds_drafting_serves_more(
         assert set(batch.guards) == {0} and batch.report()["guards"] == {"1": "plain" if wrong else "drafting"}
         if wrong:  # its first window of each mode, and at most one try of drafting: a small share of the rounds
             assert g.stats.drafted_per_position[0] <= 3 * guard.window + 3 < g.stats.rounds / 2
+
+
+def test_a_draft_far_behind_the_text_reads_only_its_last_tokens():
+    """A draft with more than ``catch_up`` tokens unread starts again on the last ``catch_up`` of the text: after
+    a long prompt, and after rounds that drafted nothing; a shorter gap is read whole. What it keeps follows the
+    committed text from there (the commit is a length past its start), and greedy output stays the plain run's."""
+    from rlxrt.speculator import Context
+
+    plain = Session(TARGET, None, CFG)
+    ids = plain.prompt_ids(CODE)
+    assert len(ids) > 8
+    expected = plain.generate(ids, max_new_tokens=40, ignore_eos=True).token_ids
+    spec = DraftModel(DRAFT, CFG, catch_up=8)
+    session = Session(TARGET, spec, CFG, k=3)
+    assert session.generate(ids, max_new_tokens=40, ignore_eos=True).token_ids == expected
+    assert spec.offset == len(ids) - 8  # its first proposal read the prompt's last 8 tokens; then it kept up
+
+    ctx = Context(list(ids), SamplingParams(), np.random.default_rng(0))
+    spec.reset()
+    proposal = spec.propose(ctx, 2)
+    assert spec.offset == len(ids) - 8 and spec.model.length == 8 + 2 - 1
+    ctx.tokens.extend(proposal.tokens[:1].tolist() + [7])  # the first drafted token kept, then the target's
+    spec.commit(ctx, None, None)
+    assert spec.model.length == 8 + 1  # the pending token is not read: it is fed next
+    ctx.tokens.extend([9, 10, 11])  # three rounds that drafted nothing: a gap of 5 read whole
+    spec.propose(ctx, 1)
+    assert spec.offset == len(ids) - 8 and spec.model.length == len(ctx.tokens) - spec.offset
+    spec.commit(ctx, None, None)
+    ctx.tokens.extend(range(20, 40))  # twenty more: it starts again
+    spec.propose(ctx, 2)
+    assert spec.offset == len(ctx.tokens) - 8 and spec.model.length == 8 + 1
+    with pytest.raises(GenerationError, match="catch_up"):
+        DraftModel(DRAFT, CFG, catch_up=0)
