@@ -14,10 +14,8 @@ Batch then run in the same steps, each weight read once for all of them (``Slot.
 
 A draft that has more than ``catch_up`` tokens to read (its first proposal after a long prompt, or after rounds
 that drafted nothing: under load a batch drafts in some steps only) starts again on the last ``catch_up`` of
-them: what it proposes next depends on recent text, and it is the target that decides what is kept. On the
-shipped pair, drafts that read only their last 16-256 tokens were accepted as often as drafts that read all
-(docs/performance.md, "Stop 64"); a catch-up of a whole text cost a step of every sequence's drafts several
-milliseconds in each of a loaded server's tries of drafting. ``catch_up=None`` reads everything.
+them: what it proposes next depends on recent text, and it is the target that decides what is kept
+(docs/performance.md, "Stop 64", measures what it costs in acceptance). ``catch_up=None`` reads everything.
 """
 from __future__ import annotations
 
