@@ -84,7 +84,7 @@ class DraftModel(ModelSpeculator):
         if self.catch_up is not None and len(ctx.tokens) - start > self.catch_up:
             m.reset()
             self.offset = start = len(ctx.tokens) - self.catch_up
-        return ctx.tokens[start:]
+        return ctx.unread(start)
 
     def propose(self, ctx: Context, k: int) -> DraftProposal:
         m = self.model
