@@ -220,8 +220,11 @@ def test_a_draft_on_a_batch_needs_a_batched_target():
         Session(TARGET, DraftModel(drafts, CFG), CFG)
 
 
-def test_batched_sampling_follows_the_target(exported):
-    """Sampled speculative rounds in batched steps, beside other sequences: the first two tokens' chi-square."""
+@pytest.mark.parametrize("catch_up", [64, 1])
+def test_batched_sampling_follows_the_target(exported, catch_up):
+    """Sampled speculative rounds in batched steps, beside other sequences: the first two tokens' chi-square;
+    also with a draft that reads only the last token of the text (``catch_up=1``), so its proposals come from
+    another distribution than a draft that read the prompt: the target's stays."""
     target = exported("llama", graph="fused")
     batch = Batch(target, CFG, slots=2)
     params = SamplingParams(1.0, 0, 1.0)
@@ -237,8 +240,10 @@ def test_batched_sampling_follows_the_target(exported):
     t = threading.Thread(target=neighbour)
     t.start()
     try:
-        session = Session(batch, DraftModel(exported("llama", seed=1, graph="fused"), CFG), CFG, k=3)
+        spec = DraftModel(exported("llama", seed=1, graph="fused"), CFG, catch_up=catch_up)
+        session = Session(batch, spec, CFG, k=3)
         assert_first_two_tokens_follow(session, prompt, p1, p2, draws=600)
+        assert spec.offset == (len(prompt) - 1 if catch_up == 1 else 0)  # it started again on the last token
     finally:
         busy.set()
         t.join()
