@@ -348,6 +348,9 @@ TRY_BUDGET = 0.005
 """The share of a settled guard's rate its tries of the worse mode may cost (``Guard``; replayed on a server's own
 step times, 0.005 served as much as 0.01 or more, with up to 0.7 % more where one mode is far ahead:
 ``scripts/guard_replay.py``, docs/performance.md, "Stop 63")."""
+MARGIN = 0.06
+"""How much more a guard's drafting windows must serve than its plain ones to count as better (``Guard``): the
+goal is never to serve less than plain steps, so a near tie goes to them (docs/performance.md, "Stop 65")."""
 
 
 class Guard:
@@ -376,7 +379,7 @@ class Guard:
     that confirms by a small margin brings the spacing back to what doubling gives."""
 
     def __init__(self, window: int = 16, explore: int = 4, settle: int = 1, explore_max: int = 16,
-                 margin: float = 0.03, explore_far: int = 64, budget: float = TRY_BUDGET):
+                 margin: float = MARGIN, explore_far: int = 64, budget: float = TRY_BUDGET):
         if not budget > 0:
             raise ValueError(f"a guard's budget for its tries is a share of the rate above 0, got {budget!r}")
         self.window, self.settle, self.margin, self.budget = window, settle, margin, budget
