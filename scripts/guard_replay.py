@@ -1,7 +1,8 @@
 """What a guard's rule costs against the better of its two modes, replayed on a server's own step times.
 
     python scripts/guard_replay.py record TRACE.json [--plain | --explore N] -- serve --engine batch ...
-    python scripts/guard_replay.py replay PLAIN.json DRAFTING.json [--loads 2,5-8] [--budgets 0.01,0.005]
+    python scripts/guard_replay.py replay PLAIN.json DRAFTING.json [--loads 2,5-8] [--budgets 0.01,0.005] \
+        [--margins 0.03,0.06]
 
 ``record`` runs ``rlxrt serve`` with every ``k_policy.Guard.step`` logged (the load, the mode, seconds,
 tokens) and writes them to TRACE.json when the server is stopped (SIGTERM or SIGINT); drive it with
@@ -14,8 +15,9 @@ sees it, HTTP threads and the clients included).
 drafting gives the same step scaled so that drafting serves f times plain's tokens a second overall, with the
 spread of real drafting steps (each drafting step's seconds over the median plain step's and its tokens a
 sequence, drawn at random). Both modes see the machine as it was at step i, as they would if either ran then. It
-prints, for each f, the tokens a second the guard served over the better mode's, and the share of steps it
-drafted: a guard that always knew the better mode would read 1.000 throughout.
+prints, for each rule (a budget and a margin) and each f, the tokens a second the guard served over the better
+mode's, over plain steps', and the share of steps it drafted: a guard that always knew the better mode would read
+1.000 in the first throughout, and the goal (never slower than plain steps) is the second at 1.000 or above.
 """
 from __future__ import annotations
 
@@ -94,7 +96,8 @@ def replay(args) -> int:
     from rlxrt.sessions.k_policy import Guard
 
     plain_trace, drafting_trace = (_load(p)["steps"] for p in (args.plain_trace, args.drafting_trace))
-    rules = {f"budget {b}": (lambda b=b: Guard(budget=b)) for b in map(float, args.budgets.split(","))}
+    rules = {f"budget {b}, margin {m}": (lambda b=b, m=m: Guard(budget=b, margin=m))
+             for b in map(float, args.budgets.split(",")) for m in map(float, args.margins.split(","))}
     for load in args.loads.split(","):
         drafts, plain_ref = drafting_trace[load]["drafting"], drafting_trace[load]["plain"]
         timeline = [(us / 1e6, n) for us, n in plain_trace[load]["plain"]]
@@ -106,15 +109,17 @@ def replay(args) -> int:
         for name, make in rules.items():
             cells = []
             for f in FACTORS:
-                got, shares = [], []
+                got, plain, shares = [], [], []
                 for seed in range(args.seeds):
                     start = seed * 997 % len(timeline)  # each seed starts the timeline somewhere else
                     turned = timeline[start:] + timeline[:start]
                     drafting, rate = mixed(turned, drafts, plain_ref, f, seed)
                     r, share = served(make(), turned, drafting)
                     got.append(r / (rate * max(1.0, f)))
+                    plain.append(r / rate)
                     shares.append(share)
-                cells.append(f"{statistics.fmean(got):.3f} / {statistics.fmean(shares):.2f}")
+                cells.append(f"{statistics.fmean(got):.3f} / {statistics.fmean(plain):.3f} / "
+                             f"{statistics.fmean(shares):.2f}")
             print(f"| {name} | " + " | ".join(cells) + " |")
     return 0
 
@@ -142,7 +147,8 @@ def main() -> int:
     p.add_argument("drafting_trace", help="a trace recorded as the guards ship: the drafting steps' spread")
     p.add_argument("--loads", default="2,5-8", help="the guards' loads to replay (labels as Batch.guards)")
     p.add_argument("--seeds", type=int, default=12)
-    p.add_argument("--budgets", default="0.01,0.005", help="Guard budgets to compare")
+    p.add_argument("--budgets", default="0.005", help="Guard budgets to compare")
+    p.add_argument("--margins", default="0.03,0.06", help="Guard margins to compare")
     return replay(p.parse_args())
 
 
