@@ -246,6 +246,11 @@ class Batch:
             return True
         return time.perf_counter() - min(s.since for s in waiting) > self.gather_seconds
 
+    def drafts_only(self) -> bool:
+        """Whether every slot that handed in tokens drafts for another batch's slot (a draft model's chain
+        step: short, and not a step of requests' rounds)."""
+        return all(s.led for s in self._all if s.pending is not None)
+
     def all_in(self) -> bool:
         """Whether every slot in a request has handed in its tokens: a step now waits for nobody."""
         return all(s.pending is not None for s in self._all if s.active)

@@ -8,6 +8,12 @@ the round's own Python on a small model (docs/performance.md, "Stop 57"). A driv
 operating system. What a task runs is the same code (``Batch.submit`` pauses it where a thread would wait), so
 the same steps run and every output is the same.
 
+What a task hands to another thread (a server's text for its event loop) it can ``defer``: the driver makes
+those calls just before its next step that verifies requests' rounds (not a draft's step), or once no step
+waits. The other thread then does its Python while this one runs the step outside the interpreter lock; woken
+at once, it ran between the step and the drafts' steps, and the first draft step of each round waited for it to
+give the lock back (docs/performance.md, "Stop 66").
+
 A Batch is either a driver's or its threads' until the driver is closed: a task that hands in to a Batch another
 driver serves, or a thread that hands in to a driven one, is refused. A task may block only in a Batch's steps:
 anything else it waits for stalls every task of its driver. A task's own ONNX Runtime calls (a head's) run on the
@@ -56,6 +62,7 @@ class Driver:
         self._runnable: deque = deque()
         self._waiting: list[tuple["Batch", "Slot", object]] = []
         self._batches: list["Batch"] = []  # the batches it serves (``Batch.driver``), until it is closed
+        self._deferred: list[tuple[Callable, tuple]] = []
         self.live = 0
         """Tasks started and not ended."""
         self.steps = 0
@@ -84,6 +91,19 @@ class Driver:
         self.live += 1
         self._runnable.append(self._greenlet.greenlet(task, parent=self._hub))
 
+    def defer(self, fn: Callable, *args) -> None:
+        """Call ``fn(*args)`` on this thread just before the next step that verifies requests' rounds, or once no
+        step waits (see the module's text); calls are made in the order deferred, and what one raises is logged."""
+        self._deferred.append((fn, args))
+
+    def _flush(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for fn, args in deferred:
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("a call the driver deferred failed")
+
     def wait(self, batch: "Batch", slot: "Slot") -> None:
         """Pause the running task until a step has run ``slot``'s pending tokens (``Batch.submit``)."""
         if batch.driver is None:
@@ -102,8 +122,11 @@ class Driver:
         while self._runnable:
             self._runnable.popleft().switch()
         if not self._waiting:
+            self._flush()
             return
         batch = self._next_batch()
+        if not batch.drafts_only():
+            self._flush()
         try:
             with batch._cond:
                 batch._step()
@@ -131,6 +154,7 @@ class Driver:
         make another driver; every task must have ended."""
         if self.live:
             raise GenerationError(f"{self.live} task(s) of the driver have not ended")
+        self._flush()
         for batch in self._batches:
             batch.driver = None
         self._batches = []

@@ -57,6 +57,46 @@ def test_driven_sessions_joining_and_leaving_equal_their_lone_runs():
     assert served == (driver, driver) and batch.driver is drafts.driver is None  # given back by close
 
 
+def test_deferred_calls_are_made_in_order_before_the_next_step_of_rounds_never_before_a_drafts_step(monkeypatch, caplog):
+    """What tasks defer (a server's text for its event loop) is called in the order deferred, each before the
+    next step of the target's batch and never just before a step of the draft's, and all of it by the end; a
+    deferred call that raises is logged and the others are made."""
+    batch = Batch(TARGET, CFG, slots=2, calibrate=False)
+    drafts = Batch(DRAFT, CFG, slots=2, calibrate=False)
+    log, run = [], Batch._run
+
+    def logged(self, tokens, sequences, rows):
+        log.append("target" if self is batch else "draft")
+        return run(self, tokens, sequences, rows)
+
+    def fails():
+        raise RuntimeError("a deferred call failed")
+
+    monkeypatch.setattr(Batch, "_run", logged)
+    driver = Driver()
+
+    def task(i):
+        session = Session(batch, DraftModel(drafts, CFG), CFG, k=3)
+        for n, _ in enumerate(session.stream(CODE + " " * i, max_new_tokens=24, ignore_eos=True)):
+            driver.defer(log.append, (i, n))
+            if n == 2:
+                driver.defer(fails)
+
+    try:
+        for i in range(2):
+            driver.spawn(task, i)
+        driver.run()
+    finally:
+        driver.close()
+    for i in range(2):  # each task's calls, all of them, in the order deferred
+        mine = [e for e in log if isinstance(e, tuple) and e[0] == i]
+        assert len(mine) > 3 and mine == [(i, n) for n in range(len(mine))]
+    assert "draft" in log
+    after = [next((e for e in log[j:] if isinstance(e, str)), "end") for j, e in enumerate(log) if isinstance(e, tuple)]
+    assert "a call the driver deferred failed" in caplog.text
+    assert set(after) <= {"target", "end"} and "target" in after
+
+
 def test_a_thread_cannot_hand_in_to_a_driven_batch_until_the_driver_is_closed():
     batch = Batch(TARGET, CFG, slots=2, calibrate=False)
     driver, got = Driver(), []

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rlxrt.errors import RlxrtError
+from rlxrt.sessions.driver import running
 
 log = logging.getLogger("rlxrt.serve")
 
@@ -84,6 +85,15 @@ class Job:
         self.events.put_nowait(("text", text))
 
     def _call(self, fn, *args) -> None:
+        """Hand ``fn(*args)`` to the event loop: from a driver's task, just before its next step of requests'
+        rounds (``Driver.defer``), so the loop runs it while that step runs outside the interpreter lock."""
+        driver = running()
+        if driver is not None:
+            driver.defer(self._post, fn, args)
+        else:
+            self._post(fn, args)
+
+    def _post(self, fn, args: tuple) -> None:
         try:
             self.loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the event loop is gone (shutdown): nobody is waiting any more
