@@ -63,6 +63,7 @@ class Driver:
         self._waiting: list[tuple["Batch", "Slot", object]] = []
         self._batches: list["Batch"] = []  # the batches it serves (``Batch.driver``), until it is closed
         self._deferred: list[tuple[Callable, tuple]] = []
+        self._spare: list[tuple[Callable, tuple]] = []  # the list the next flush's calls are deferred to
         self.live = 0
         """Tasks started and not ended."""
         self.steps = 0
@@ -97,12 +98,17 @@ class Driver:
         self._deferred.append((fn, args))
 
     def _flush(self) -> None:
-        deferred, self._deferred = self._deferred, []
+        deferred = self._deferred
+        if not deferred:
+            return
+        self._deferred = self._spare  # what the calls defer goes to the next flush
         for fn, args in deferred:
             try:
                 fn(*args)
             except Exception:
                 log.exception("a call the driver deferred failed")
+        deferred.clear()
+        self._spare = deferred
 
     def wait(self, batch: "Batch", slot: "Slot") -> None:
         """Pause the running task until a step has run ``slot``'s pending tokens (``Batch.submit``)."""

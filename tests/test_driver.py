@@ -60,7 +60,7 @@ def test_driven_sessions_joining_and_leaving_equal_their_lone_runs():
 def test_deferred_calls_are_made_in_order_before_the_next_step_of_rounds_never_before_a_drafts_step(monkeypatch, caplog):
     """What tasks defer (a server's text for its event loop) is called in the order deferred, each before the
     next step of the target's batch and never just before a step of the draft's, and all of it by the end; a
-    deferred call that raises is logged and the others are made."""
+    deferred call that raises is logged and the others are made; one deferred by a deferred call is made too."""
     batch = Batch(TARGET, CFG, slots=2, calibrate=False)
     drafts = Batch(DRAFT, CFG, slots=2, calibrate=False)
     log, run = [], Batch._run
@@ -81,6 +81,8 @@ def test_deferred_calls_are_made_in_order_before_the_next_step_of_rounds_never_b
             driver.defer(log.append, (i, n))
             if n == 2:
                 driver.defer(fails)
+            if n == 3:  # a deferred call that defers another: that one is made at a later flush
+                driver.defer(driver.defer, log.append, ("later", i))
 
     try:
         for i in range(2):
@@ -88,6 +90,8 @@ def test_deferred_calls_are_made_in_order_before_the_next_step_of_rounds_never_b
         driver.run()
     finally:
         driver.close()
+    assert all(("later", i) in log for i in range(2))
+    log[:] = [e for e in log if not (isinstance(e, tuple) and e[0] == "later")]
     for i in range(2):  # each task's calls, all of them, in the order deferred
         mine = [e for e in log if isinstance(e, tuple) and e[0] == i]
         assert len(mine) > 3 and mine == [(i, n) for n in range(len(mine))]
