@@ -259,7 +259,7 @@ class Batch:
         """Run one step over every slot that handed in tokens (called with the lock held; released while
         ONNX Runtime runs)."""
         taking = [s for s in self._all if s.pending is not None]
-        own = not all(s.led for s in taking)  # requests' rounds, not only drafts for another batch's (no plan)
+        own = not self.drafts_only()  # requests' rounds, not only drafts for another batch's (no plan)
         start = time.perf_counter()
         gap = start - self._ended if self._ended is not None else None
         if own:  # what the step tells the plan and the guard (a draft's batch has neither)
