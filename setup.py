@@ -7,7 +7,7 @@ import sys
 from setuptools import Extension, setup
 
 HEADERS = ["backends/stream_kernels.h", "backends/stream_int8.h", "backends/stream_attention.h",
-           "backends/stream_batch.h", "backends/stream_rows.h"]
+           "backends/stream_batch.h", "backends/stream_rows.h", "backends/stream_scan.h"]
 kernels = Extension("rlxrt.backends._stream_matmul", ["backends/stream_matmul.c"], depends=HEADERS,
                     libraries=["m"], extra_compile_args=["-O3", "-ffp-contract=fast", "-Wno-psabi",
                                                          "-fvisibility=hidden"], optional=True)

@@ -28,6 +28,7 @@ from rlxrt.providers import short_name
 
 from . import cpu_kernels
 from .batched import batched_manifest, prepare as prepare_batch, refusal as batch_refusal
+from . import head_batch
 from .rows import mixed_rows
 from ._ort import ort_errors
 from .contract import check_contract
@@ -208,10 +209,21 @@ def compile(model: str | os.PathLike, config: Config | None = None, *,
     res = registry.resolve(config)
     ort = registry.ort
     provider = res.names[0] if res.names else "cpu"
-    if batched and manifest is not None and manifest.graph_kind == "fused":
-        prepare_batch(proto, manifest.inputs)  # planned on the graph the batch will run
+    head = batched and manifest is not None and bool(manifest.draft_head)
+    if head:
+        why = head_batch.refusal(manifest)
+        if why:
+            raise ProviderError(f"{graph_path.parent}: cannot draft for a batch in one call: {why}")
+        head_batch.batch_head(proto, *head_batch.shape(manifest))  # planned on the graph the batch will run
+    elif batched and manifest is not None and manifest.graph_kind == "fused":
+        prepare_batch(proto, manifest.inputs)
     kernels = cpu_kernels.plan(proto, config.cpu_kernels, provider)
-    if batched:
+    if head:
+        if not (kernels.nodes and kernels.rows_exact):
+            raise ProviderError(f"{graph_path.parent}: a batched head needs rlxrt's CPU kernels for every MatMul "
+                                f"(they are {kernels.state}); set cpu_kernels = rlxrt and run on the CPU provider")
+        kernels.batched_head, kernels.state = head_batch.shape(manifest), f"{kernels.state}, batched head"
+    elif batched:
         why = batch_refusal(manifest, kernels)
         if why:
             raise ProviderError(f"{graph_path.parent}: cannot serve a batch: {why}")
@@ -249,7 +261,8 @@ def compile(model: str | os.PathLike, config: Config | None = None, *,
     inputs = [TensorSpec(i.name, tuple(i.shape), i.type) for i in session.get_inputs()]
     outputs = [TensorSpec(o.name, tuple(o.shape), o.type) for o in session.get_outputs()]
     if manifest is not None:
-        check_contract(batched_manifest(manifest) if batched else manifest, inputs, outputs,
+        check_contract(head_batch.batched_manifest(manifest) if head else batched_manifest(manifest) if batched
+                       else manifest, inputs, outputs,
                        str(graph_path.parent / "rlxrt.json"))
     return CompiledGraph(
         session=session, path=graph_path, manifest=manifest, providers=used,

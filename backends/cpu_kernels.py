@@ -38,7 +38,7 @@ ATTENTION = "StreamAttention"
 """What GroupQueryAttention becomes (stream_attention.h): a query row computed the same whatever the others."""
 PANEL = 32
 """Columns per packed panel (two 16-float vectors)."""
-KERNEL_VERSION = "4"
+KERNEL_VERSION = "5"
 """Goes into the compile cache key with the plan: a graph rewritten for other packed layouts is never served."""
 LIBRARY_STEM = "_stream_matmul"
 
@@ -110,6 +110,9 @@ class Plan:
     fused graph being row by row) a row's output is bitwise the same alone or in a verification."""
     batched: dict | None = None
     """The manifest's input names when the rewrite also makes the batched variant (``batched.batch``)."""
+    batched_head: tuple[int, int, int] | None = None
+    """An MTP head's (heads, head size, positions) when the rewrite also makes its batched variant
+    (``head_batch.batch_head``, before the planned nodes are replaced)."""
 
 
 class Source(NamedTuple):
@@ -409,6 +412,10 @@ def rewritten(graph: Path, chosen: Plan, work: Path) -> Path:
 
     model = onnx.load(os.fspath(graph), format="protobuf", load_external_data=False)
     _read_external(model, graph)
+    if chosen.batched_head is not None:
+        from .head_batch import batch_head
+
+        batch_head(model, *chosen.batched_head)
     if chosen.batched is not None:
         from .batched import batch, prepare
 

@@ -155,6 +155,7 @@ static Status *shape_of(Api api, const void *value, int *type, int64_t *dims, si
 
 #include "stream_attention.h"
 #include "stream_batch.h"
+#include "stream_scan.h"
 #include "stream_rows.h"
 
 static const char *const NAMES[] = {"StreamMatMul", "StreamMatMulQ4", "StreamMatMulQx8"};
@@ -313,6 +314,13 @@ static const CustomOp batch_op = {
   .GetOutputCharacteristic = zero, .GetInputMemoryType = zero, .CreateKernelV2 = attention_create,
   .KernelComputeV2 = batch_compute};
 
+static const CustomOp scan_op = {
+  .version = 16, .GetName = scan_name, .GetExecutionProviderType = provider,
+  .GetInputType = scan_input_type, .GetInputTypeCount = four, .GetOutputType = float_type,
+  .GetOutputTypeCount = one, .KernelDestroy = destroy, .GetInputCharacteristic = zero,
+  .GetOutputCharacteristic = zero, .GetInputMemoryType = zero, .CreateKernelV2 = scan_create,
+  .KernelComputeV2 = scan_compute};
+
 #define ROWS_OP {.version = 16, .GetName = rows_name, .GetExecutionProviderType = provider,                      \
                  .GetInputType = float_type, .GetInputTypeCount = rows_inputs, .GetOutputType = float_type,      \
                  .GetOutputTypeCount = rows_outputs, .KernelDestroy = destroy, .GetInputCharacteristic = zero,   \
@@ -341,6 +349,7 @@ static void make_domain(void) {
       CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &ops[2]) ||
       CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &attention_op) ||
       CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &batch_op) ||
+      CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &scan_op) ||
       CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &rows_ops[0]) ||
       CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &rows_ops[1]) ||
       CALL(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &rows_ops[2]))

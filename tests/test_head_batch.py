@@ -1,0 +1,107 @@
+"""The batched MTP head graph (backends/head_batch.py, stream_scan.h) on the shipped SmolLM2 head: each
+sequence computed as the one-sequence head computes it, and bitwise the same whatever the other sequences of
+the call, with rollbacks of different lengths per slot."""
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import rlxrt
+from rlxrt.backends import compile, head_batch
+from rlxrt.config import Config
+from rlxrt.errors import ProviderError
+from rlxrt.sessions import StateModel
+
+HEAD = Path(rlxrt.__file__).parent / "assets" / "smollm2" / "head"
+CFG = Config(intra_op_threads=1)
+SLOTS, CAPACITY, R, H = 3, 128, 256, 576
+
+
+class Calls:
+    """The batched head's graph with KV buffers of SLOTS slots, run on numpy inputs."""
+
+    def __init__(self):
+        import onnxruntime as ort
+
+        self.graph = compile(HEAD, CFG, batched=True)
+        shape = [SLOTS, 9, CAPACITY, 64]
+        self.kv = [ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, "cpu", 0) for _ in range(2)]
+
+    def __call__(self, *parts):
+        """parts: (slot, first position, ids, hidden rows, start state); -> logits, hidden_out, states."""
+        b = self.graph.session.io_binding()
+        for buf, past, present in zip(self.kv, ("past_key.0", "past_value.0"), ("present_key.0", "present_value.0")):
+            b.bind_ortvalue_input(past, buf)
+            b.bind_ortvalue_output(present, buf)
+        counts = [len(p[2]) for p in parts]
+        feeds = {"input_ids": np.concatenate([p[2] for p in parts])[None].astype(np.int64),
+                 "hidden_states": np.concatenate([p[3] for p in parts])[None].astype(np.float32),
+                 "state": np.stack([p[4] for p in parts]).astype(np.float32),
+                 "sequences": np.array([(p[0], p[1], c) for p, c in zip(parts, counts)], np.int32),
+                 "last_rows": (np.cumsum(counts) - 1).astype(np.int64)}
+        for name, array in feeds.items():
+            b.bind_cpu_input(name, array)
+        for name in ("logits", "hidden_out", "states"):
+            b.bind_output(name)
+        self.graph.session.run_with_iobinding(b)
+        return [o.numpy() for o in b.get_outputs()[2:]]
+
+
+@pytest.fixture(scope="module")
+def calls():
+    return Calls()
+
+
+@pytest.fixture(scope="module")
+def text():
+    rng = np.random.default_rng(0)
+    return [(rng.integers(0, 49152, 60), rng.standard_normal((60, H)).astype(np.float32)) for _ in range(3)]
+
+
+def test_each_sequence_is_computed_as_the_one_sequence_head_computes_it(calls, text):
+    ids, hidden = text[0]
+    one = StateModel(compile(HEAD, CFG))
+    zero = np.zeros(R, np.float32)
+    logits, own, states = calls((0, 0, ids[:20], hidden[:20], zero))
+    expected = one.forward(ids[:20], hidden[:20])[0]
+    np.testing.assert_allclose(states, np.stack([one.state(i + 1)[0] for i in range(20)]), atol=1e-5)
+    assert logits.shape == (1, 1, 8192) and own.shape == (1, 1, H)
+    assert logits[0, 0].argmax() == expected.argmax()
+    assert np.abs(logits[0, 0] - expected).max() < 0.02 * np.abs(expected).max()  # int8 activations, two builds
+    for t in range(20, 24):  # chained one row at a time, each on the head's own hidden state
+        logits, own, states = calls((0, t, ids[t:t + 1], own[0], states[-1]))
+        expected = one.forward(ids[t:t + 1], one.hidden)[0]
+        assert logits[0, 0].argmax() == expected.argmax()
+        np.testing.assert_allclose(states[0], one.state()[0], atol=1e-5)
+
+
+def test_a_sequences_rows_are_bitwise_the_same_beside_any_others(calls, text):
+    (a, ha), (b, hb), (c, hc) = text
+    zero = np.zeros(R, np.float32)
+    alone = [calls((0, 0, a[:20], ha[:20], zero))]
+    alone.append(calls((0, 20, a[20:23], ha[20:23], alone[0][2][-1])))
+    alone.append(calls((0, 18, a[18:19], ha[18:19], alone[0][2][-3])))  # rolled back to 18 tokens
+    calls((1, 0, b[:40], hb[:40], zero))
+    calls((2, 0, c[:9], hc[:9], zero))
+    first = calls((2, 9, c[9:10], hc[9:10], zero + 0.25), (0, 0, a[:20], ha[:20], zero), (1, 30, b[30:35],
+                                                                                          hb[30:35], zero))
+    second = calls((1, 12, b[12:13], hb[12:13], zero), (0, 20, a[20:23], ha[20:23], first[2][20]))
+    third = calls((0, 18, a[18:19], ha[18:19], first[2][18]), (2, 3, c[3:4], hc[3:4], zero))
+    beside = [(first[0][:, 1:2], first[1][:, 1:2], first[2][1:21]), (second[0][:, 1:], second[1][:, 1:],
+                                                                       second[2][1:]),
+              (third[0][:, :1], third[1][:, :1], third[2][:1])]
+    for got, want in zip(beside, alone):
+        for g, w in zip(got, want):
+            assert np.array_equal(g, w)
+
+
+def test_a_head_the_batch_cannot_run_is_refused_with_the_reason():
+    m = rlxrt.Manifest.load(HEAD)
+    assert head_batch.refusal(m) is None
+    flat = dataclasses.replace(m, draft_head={**m.draft_head, "attention_heads": 0})
+    assert "no attention layer" in head_batch.refusal(flat)
+    streams = dataclasses.replace(m, draft_head={**m.draft_head, "hidden_layers": [3, 7]})
+    assert "residual streams" in head_batch.refusal(streams)
+    with pytest.raises(ProviderError, match="rlxrt's CPU kernels"):
+        compile(HEAD, Config(intra_op_threads=1, cpu_kernels="ort"), batched=True)
