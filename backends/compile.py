@@ -221,7 +221,8 @@ def compile(model: str | os.PathLike, config: Config | None = None, *,
     if head:
         if not (kernels.nodes and kernels.rows_exact):
             raise ProviderError(f"{graph_path.parent}: a batched head needs rlxrt's CPU kernels for every MatMul "
-                                f"(they are {kernels.state}); set cpu_kernels = rlxrt and run on the CPU provider")
+                                f"(they are {kernels.state}); they take an int8 or int4 head (`rlxrt train-head "
+                                "--quantize int8`, the default) with cpu_kernels = rlxrt or auto on the CPU provider")
         kernels.batched_head, kernels.state = head_batch.shape(manifest), f"{kernels.state}, batched head"
     elif batched:
         why = batch_refusal(manifest, kernels)

@@ -16,8 +16,10 @@ tokens alone and beside others. They are not bitwise those of the one-sequence h
 closed form), which is another build of the same head: the acceptance rule reads the distribution a draft was
 sampled from, so either is exact.
 
-Only a head with an attention layer that reads the target's last hidden state alone batches (the form
-``rlxrt train-head`` writes by default); ``refusal`` says why another does not.
+A head without an attention layer reads one hidden state a sequence, ``hidden_states`` [1, N, H] (its last
+row's, as the one-sequence graph reads one), and has no KV buffers; the last-row slices of its input
+embedding and state become Gathers of ``last_rows``. A head that reads the target's residual streams beside
+its last hidden state does not batch (``refusal``).
 """
 from __future__ import annotations
 
@@ -36,6 +38,10 @@ ATTENTION = ("present_key.0", "present_value.0", "x_last", "q_4d", "q_t", "score
              "attended_t", "attended_row", "z_last", "k_new_4d", "k_new_t", "v_new_4d", "v_new_t")
 """What the attention over a concatenated cache makes (``exporters/head_graph._attention``) but its
 projections: StreamAttentionBatch, then a Gather of each sequence's last row, make what they fed."""
+ATTENDED = ("q", "k_new", "v_new", "a", "z_all", "attn_out")
+"""What the attention's replacement reads, or reads it."""
+FLAT = ("e_last", "state_last")
+"""A head without attention: the slices of the last row that a Gather of each sequence's last row replaces."""
 
 
 def refusal(manifest) -> str | None:
@@ -43,50 +49,37 @@ def refusal(manifest) -> str | None:
     head = manifest.draft_head if manifest is not None else None
     if not head or head.get("kind") != "mtp":
         return "only an MTP head's graph batches this way"
-    if not head.get("attention_heads"):
-        return "the head has no attention layer (train one with --attention-heads, the default)"
     if head.get("hidden_layers"):
         return "the head reads the target's residual streams beside its last hidden state"
-    if manifest.kv_cache is None or manifest.kv_cache.layers != 1:
+    if head.get("attention_heads") and (manifest.kv_cache is None or manifest.kv_cache.layers != 1):
         return "the head's manifest declares no one-layer cache for its attention"
     return None
 
 
 def shape(manifest) -> tuple[int, int, int]:
-    """(heads, head size, positions) of the head's attention: what ``batch_head`` takes."""
-    kv = manifest.kv_cache
-    return kv.kv_heads, kv.head_dim, manifest.max_positions
+    """(heads, head size, positions) of the head's attention, (0, 0, 0) for none: what ``batch_head`` takes."""
+    kv = manifest.kv_cache if manifest.draft_head.get("attention_heads") else None
+    return (kv.kv_heads, kv.head_dim, manifest.max_positions) if kv is not None else (0, 0, 0)
 
 
 def batch_head(model, heads: int, head_dim: int, positions: int) -> None:
     """Rewrite the head graph ``model`` (as ``exporters/head_graph.py`` writes it) in place into its batched
-    variant, before rlxrt's kernels are planned on it."""
-    from onnx import TensorProto, helper, numpy_helper
+    variant, before rlxrt's kernels are planned on it (``heads`` 0: a head without attention)."""
+    from onnx import TensorProto, helper
 
     g = model.graph
     produced = {o for n in g.node for o in n.output}
-    missing = [n for n in SCAN + ATTENTION + ("log_a", "b", "q", "k_new", "v_new", "a", "z_all", "attn_out")
-               if n not in produced]
+    replaced = SCAN + (ATTENTION if heads else FLAT)
+    missing = [n for n in replaced + ("log_a", "b", "e") + (ATTENDED if heads else ()) if n not in produced]
     if missing:
         raise ModelFormatError(f"the head graph makes no {missing}: it is not one rlxrt wrote")
-    gone = set(SCAN + ATTENTION)
-    kept = [n for n in g.node if not gone & set(n.output)]
-    for node in kept:
-        if node.output[0] == "q":
-            node.input[0] = "a"  # every row's query: the kernel attends each row over its sequence
-        elif node.output[0] == "attn_out":
-            node.input[0] = "attended_row"
-    half = np.zeros((positions, head_dim // 2), np.float32)
-    g.initializer.extend([numpy_helper.from_array(half + 1, "turn_cos"), numpy_helper.from_array(half, "turn_sin")])
-    made = [
-        helper.make_node(SCAN_OP, ["log_a", "b", "state", SEQUENCES], ["states_all"], name="scan", domain=DOMAIN),
-        helper.make_node(ATTENTION_OP, ["q", "k_new", "v_new", "past_key.0", "past_value.0", SEQUENCES, "turn_cos",
-                                        "turn_sin"], ["attended_all", "present_key.0", "present_value.0"],
-                         name="attention", domain=DOMAIN, num_heads=heads, kv_num_heads=heads,
-                         scale=float(1 / np.sqrt(head_dim)), local_window_size=-1),
-        helper.make_node("Gather", ["attended_all", LAST_ROWS], ["attended_row"], name="attended_row", axis=1),
-        helper.make_node("Gather", ["z_all", LAST_ROWS], ["z_last"], name="z_last", axis=1),
-    ]
+    kept = [n for n in g.node if not set(replaced) & set(n.output)]
+    made = [helper.make_node(SCAN_OP, ["log_a", "b", "state", SEQUENCES], ["states_all"], name="scan", domain=DOMAIN)]
+    if heads:
+        made += _attention(g, kept, heads, head_dim, positions)
+    else:  # the last row of each sequence's input embedding and state
+        made += [helper.make_node("Gather", ["e", LAST_ROWS], ["e_last"], name="e_last", axis=1),
+                 helper.make_node("Gather", ["states_all", LAST_ROWS], ["state_last"], name="state_last", axis=1)]
     del g.node[:]
     g.node.extend(_ordered(kept + made, {i.name for i in g.input} | {t.name for t in g.initializer}
                            | {SEQUENCES, LAST_ROWS}))
@@ -97,7 +90,7 @@ def batch_head(model, heads: int, head_dim: int, positions: int) -> None:
         dims = v.type.tensor_type.shape.dim
         if v.name.startswith(("past_", "present_")):
             v.CopyFrom(helper.make_tensor_value_info(v.name, TensorProto.FLOAT, ["slots", heads, "capacity", head_dim]))
-        elif v.name in ("logits", "hidden_out"):
+        elif v.name in ("logits", "hidden_out") or v.name == "hidden_states" and not heads:
             dims[1].Clear()
             dims[1].dim_param = "sequences"
     g.input.extend([helper.make_tensor_value_info(SEQUENCES, TensorProto.INT32, ["sequences", 3]),
@@ -107,6 +100,28 @@ def batch_head(model, heads: int, head_dim: int, positions: int) -> None:
     _prune(g)
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+
+
+def _attention(g, kept: list, heads: int, head_dim: int, positions: int) -> list:
+    """Every row's query (the kernel attends each row over its sequence's slot), then the last row of each
+    sequence: the nodes that replace ``ATTENTION``."""
+    from onnx import helper, numpy_helper
+
+    for node in kept:
+        if node.output[0] == "q":
+            node.input[0] = "a"
+        elif node.output[0] == "attn_out":
+            node.input[0] = "attended_row"
+    half = np.zeros((positions, head_dim // 2), np.float32)
+    g.initializer.extend([numpy_helper.from_array(half + 1, "turn_cos"), numpy_helper.from_array(half, "turn_sin")])
+    return [
+        helper.make_node(ATTENTION_OP, ["q", "k_new", "v_new", "past_key.0", "past_value.0", SEQUENCES, "turn_cos",
+                                        "turn_sin"], ["attended_all", "present_key.0", "present_value.0"],
+                         name="attention", domain=DOMAIN, num_heads=heads, kv_num_heads=heads,
+                         scale=float(1 / np.sqrt(head_dim)), local_window_size=-1),
+        helper.make_node("Gather", ["attended_all", LAST_ROWS], ["attended_row"], name="attended_row", axis=1),
+        helper.make_node("Gather", ["z_all", LAST_ROWS], ["z_last"], name="z_last", axis=1),
+    ]
 
 
 def _ordered(nodes: list, available: set[str]) -> list:

@@ -25,6 +25,7 @@ _LAZY = {
     "export": ("rlxrt.app.api", "export"),
     "Session": ("rlxrt.sessions", "Session"),
     "Batch": ("rlxrt.sessions", "Batch"),
+    "HeadBatch": ("rlxrt.sessions", "HeadBatch"),
     "Generation": ("rlxrt.sessions", "Generation"),
     "DraftModel": ("rlxrt.sessions", "DraftModel"),
     "PromptLookup": ("rlxrt.sessions", "PromptLookup"),

@@ -38,9 +38,10 @@ from rlxrt.checks import as_float, as_int
 from rlxrt.errors import GenerationError
 from rlxrt.limits import K_MAX
 
-from .driver import Driver, running
+from .driver import Driver
 from .k_policy import Acceptance, DraftCost, Guard, Sequence, StepCost, plan_ks
 from .kv import GraphModel, check_room, draft_vocab_ids
+from .steps import Steps
 
 CHUNK = 32
 """Prompt tokens a slot feeds a step by default."""
@@ -82,7 +83,7 @@ def steps_config(config: Config | None) -> Config:
     return config if config.allow_spinning is not None else config.with_overrides(allow_spinning=True)
 
 
-class Batch:
+class Batch(Steps):
     """One batched graph and the slots of its KV buffers (see the module's text)."""
 
     def __init__(self, target: str | os.PathLike | CompiledGraph, config: Config | None = None, *, slots: int = 8,
@@ -171,30 +172,13 @@ class Batch:
         """Each draft source's chance to propose something when asked, over every slot's rounds."""
         self._planned = 0  # the step after which the plan was made
 
-    @property
-    def config(self) -> Config:
-        return self.graph.config
-
     # -- slots ----------------------------------------------------------------------------------------------
-    def slot(self) -> "Slot":
-        """A free slot, for one Session's life (``release`` gives it back); GenerationError when none is free."""
-        with self._cond:
-            if not self._free:
-                raise GenerationError(f"all {self.slots} slots of the batch are taken; make the Batch with more "
-                                      "slots, or release one")
-            s = Slot(self, self._free.pop(0))
-            self._all.append(s)
-            return s
+    def _new_slot(self, index: int) -> "Slot":
+        return Slot(self, index)
 
-    def release(self, slot: "Slot") -> None:
-        with self._cond:
-            if slot in self._all:
-                slot.idle()
-                slot.released = True
-                self._emitted_gone += slot.emitted
-                self._all.remove(slot)
-                self._free.append(slot.index)
-                self._cond.notify_all()
+    def _give_back(self, slot: "Slot") -> None:
+        slot.idle()
+        self._emitted_gone += slot.emitted
 
     def fetch_hidden(self) -> int:
         """Return the hidden states of every row from now on (a head drafts from them); their width."""
@@ -208,53 +192,6 @@ class Batch:
         return int(width)
 
     # -- one step -------------------------------------------------------------------------------------------
-    def submit(self, slot: "Slot", tokens: np.ndarray, rows: int) -> None:
-        """Hand in ``tokens`` of ``slot`` (its last ``rows`` rows wanted) and wait until a step has run them all;
-        the rows are then in the slot's buffers."""
-        if slot.released:
-            raise GenerationError("this slot was given back to its Batch (Batch.release), and a step no longer "
-                                  "runs it; take a new one (Batch.slot(), or a new Session on the Batch)")
-        driver = running()
-        if driver is None and self.driver is not None:
-            raise GenerationError("this Batch is served by a Driver's thread; run every Session on it as a task of "
-                                  "that driver (rlxrt.sessions.Driver)")
-        with self._cond:
-            slot.pending, slot.fed, slot.want, slot.error = tokens, 0, rows, None
-            slot.since = time.perf_counter()  # a hand-in wakes nobody: the one that completes a step runs it
-            while driver is None and slot.pending is not None:
-                if self._running:  # the step's end wakes every waiter
-                    self._cond.wait()
-                elif self._ready():
-                    self._step()
-                else:  # until a step's end, an idle slot, or the gathering time is up
-                    self._cond.wait(max(self._gather_left(), 0.001))
-        if driver is not None:  # the driver runs the step once every task waits for one
-            driver.wait(self, slot)
-        if slot.error is not None:
-            raise slot.error
-
-    def _gather_left(self) -> float:
-        waiting = [s.since for s in self._all if s.pending is not None]
-        return self.gather_seconds - (time.perf_counter() - min(waiting)) if waiting else self.gather_seconds
-
-    def _ready(self) -> bool:
-        """Whether a step may start: every slot in a request has handed in, or one has waited long enough."""
-        waiting = [s for s in self._all if s.pending is not None]
-        if not waiting:
-            return False
-        if self.all_in():
-            return True
-        return time.perf_counter() - min(s.since for s in waiting) > self.gather_seconds
-
-    def drafts_only(self) -> bool:
-        """Whether every slot that handed in tokens drafts for another batch's slot (a draft model's chain
-        step: short, and not a step of requests' rounds)."""
-        return all(s.led for s in self._all if s.pending is not None)
-
-    def all_in(self) -> bool:
-        """Whether every slot in a request has handed in its tokens: a step now waits for nobody."""
-        return all(s.pending is not None for s in self._all if s.active)
-
     def _step(self) -> None:
         """Run one step over every slot that handed in tokens (called with the lock held; released while
         ONNX Runtime runs)."""
@@ -373,12 +310,6 @@ class Batch:
                 self._gap = _Gap(waits, gap, drafted)
             else:
                 waits.observe(gap)
-
-    def _value(self, name: str, array: np.ndarray, n: int):
-        key = (name, n)
-        if key not in self._values:
-            self._values[key] = self._ort.OrtValue.ortvalue_from_numpy(array)
-        return self._values[key]
 
     def _run(self, tokens: int, sequences: int, rows: int) -> float:
         b, bound = self._binding, self._bound  # the arrays are written in place: bound again where a length changed

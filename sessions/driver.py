@@ -16,9 +16,9 @@ give the lock back (docs/performance.md, "Stop 66").
 
 A Batch is either a driver's or its threads' until the driver is closed: a task that hands in to a Batch another
 driver serves, or a thread that hands in to a driven one, is refused. A task may block only in a Batch's steps:
-anything else it waits for stalls every task of its driver. A task's own ONNX Runtime calls (a head's) run on the
-driver's thread, one task's after another's: on helper threads at once they were no faster (docs/performance.md,
-"Stop 57").
+anything else it waits for stalls every task of its driver (a ``HeadBatch`` is stepped as a Batch is). A task's
+own ONNX Runtime calls (a head's, where it cannot batch) run on the driver's thread, one task's after another's:
+on helper threads at once they were no faster (docs/performance.md, "Stop 57").
 """
 from __future__ import annotations
 

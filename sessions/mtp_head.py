@@ -9,11 +9,15 @@ drops the rest (no re-run). What the head has not read yet (the pending token,
 and after a full acceptance the last draft too) is fed at the next
 ``propose`` in one call, with the target's hidden state of the position
 before the pending token: the verify row that produced it.
+
+Given a ``HeadBatch``, it drafts on a slot of it: the proposals of every Session whose target stepped with the
+others run in the same head steps, each weight of the head read once for all (sessions/head_batch.py).
 """
 from __future__ import annotations
 
 import logging
 import os
+import weakref
 
 import numpy as np
 
@@ -34,14 +38,21 @@ class MtpHead(ModelSpeculator):
     name = "mtp-head"
     default_k = 4
 
-    def __init__(self, head: str | os.PathLike | CompiledGraph, config: Config | None = None, *,
+    def __init__(self, head: "str | os.PathLike | CompiledGraph | HeadBatch", config: Config | None = None, *,
                  min_prob: float = 0.0):
-        graph = head if isinstance(head, CompiledGraph) else compile(head, config)
-        m = graph.manifest
-        if m is None or not m.draft_head or m.draft_head.get("kind") != "mtp":
-            raise ModelFormatError(f"{graph.path} is not an MTP head (its manifest has no draft_head of kind "
-                                   "'mtp'); pass a model directory to DraftModel instead")
-        self.model = StateModel(graph)
+        from .head_batch import HeadBatch
+
+        if isinstance(head, HeadBatch):  # a slot of the head's batch, for this speculator's life
+            self.model = head.slot()
+            weakref.finalize(self, head.release, self.model)
+            m = head.graph.manifest
+        else:
+            graph = head if isinstance(head, CompiledGraph) else compile(head, config)
+            m = graph.manifest
+            if m is None or not m.draft_head or m.draft_head.get("kind") != "mtp":
+                raise ModelFormatError(f"{graph.path} is not an MTP head (its manifest has no draft_head of kind "
+                                       "'mtp'); pass a model directory to DraftModel instead")
+            self.model = StateModel(graph)
         self.each = self.model.hidden_each
         """An attention layer: its cache must hold what the target computed, so a commit keeps the head's
         positions only up to the last one built from the target's hidden state, and the next ``propose`` feeds
@@ -53,7 +64,15 @@ class MtpHead(ModelSpeculator):
         """With an attention layer: the buffer ``last`` lives in, made once and grown by doubling."""
         self.reset()
 
+    @property
+    def batched_sources(self) -> tuple[bool, ...]:
+        return (self.model.shared,)
+
     def bind(self, target: Decoder) -> None:
+        if self.model.shared and not target.shared:
+            raise GenerationError("a head on a slot of a HeadBatch drafts for a target that is a slot of a Batch "
+                                  "(its steps pace the head's); give a lone Session the head's directory or "
+                                  "compiled graph instead")
         if not target.manifest.outputs.get("hidden_states"):  # before the weights: this is what any head needs
             raise GenerationError(f"the target {target.graph.path.parent} has no hidden_states output, and an MTP "
                                   "head drafts from the target's hidden states; re-export the target with `rlxrt "
@@ -85,6 +104,8 @@ class MtpHead(ModelSpeculator):
         if size not in (-1, last * (1 + len(outputs))):
             raise GenerationError(f"the MTP head reads hidden states of size {last}, the target's are "
                                   f"{size // (1 + len(outputs))}; use the head trained for this target")
+        if self.model.shared:  # its target's steps pace the head's (sessions/head_batch.py)
+            target.lead(self.model)
 
     def reset(self) -> None:
         self.model.reset()
@@ -119,8 +140,9 @@ class MtpHead(ModelSpeculator):
             if read > 0:  # for a request that never drafts
                 self._hold(h[:read, :self.width], after=False)
             return
-        if read > 1:  # only the state is kept; the head reads one position behind
-            self.model.forward(ctx.tokens[1:read], h[read - 2:read - 1, :self.width])
+        if read > 1 and not self.model.shared:  # only the state is kept; the head reads one position behind
+            self.model.forward(ctx.tokens[1:read], h[read - 2:read - 1, :self.width])  # (on a batch: at the
+            # first propose, with the pending token, so a request that never drafts pays nothing)
         self.last = h[read - 1:read, :self.width] if read > 0 else None
 
     def propose(self, ctx: Context, k: int) -> DraftProposal:
@@ -128,8 +150,12 @@ class MtpHead(ModelSpeculator):
         k = min(k, ctx.room(m.max_positions))
         if k <= 0 or self.last is None:  # a one-token prompt: no hidden state before the first round
             return DraftProposal(np.zeros(0, np.int64))
-        first = m.forward(ctx.unread(m.length + 1), self.last)[0]  # the head's position i reads token i + 1
-        return self.chain(first, k, ctx, lambda x: m.forward((x,), m.hidden)[0])  # chained on its own hidden
+        try:
+            first = m.forward(ctx.unread(m.length + 1), self.last)[0]  # the head's position i reads token i + 1
+            return self.chain(first, k, ctx, lambda x: m.forward((x,), m.hidden)[0])  # chained on its own hidden
+        finally:
+            if m.shared:  # its drafting is done: the head's next steps need not wait for it
+                m.idle()
 
     def commit(self, ctx: Context, decision: AcceptDecision, verify: VerifyResult) -> None:
         if verify.hidden is None:

@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 
 import rlxrt
+from rlxrt.config import Config
+from rlxrt.errors import ProviderError
 from rlxrt.backends import compile
 from rlxrt.sampling import SamplingParams
 from rlxrt.speculator import AcceptDecision, Context, Prefill, VerifyResult
@@ -125,3 +127,43 @@ def test_one_token_prompts_and_requests_in_a_row(target, attn_head, exported):
     for prompt in ([7], "class Point:\n", [7]):
         assert s.generate(prompt, max_new_tokens=20, ignore_eos=True).token_ids == \
             plain.generate(prompt, max_new_tokens=20, ignore_eos=True).token_ids
+
+
+@pytest.fixture(scope="module")
+def int8_head(exported, target, tmp_path_factory):
+    return make_head(target, exported.source("llama", seed=0), tmp_path_factory.mktemp("mtp") / "attn8",
+                     attention_heads=4, quantize="int8")
+
+
+def test_an_attention_head_on_a_head_batch_drafts_beside_others_as_alone(target, attn_head, int8_head, monkeypatch):
+    """Three Sessions on one Batch, drafting with slots of one HeadBatch of the attention head (its keys and
+    values in slot buffers, each slot rolled back by its own length), as tasks of a driver, every round drafting:
+    greedy output equals plain greedy, a seeded request its run alone on a batch of one, and the head's steps
+    held several sequences."""
+    from rlxrt.sessions import Batch, Driver, HeadBatch
+
+    from test_head_batch import every_round_drafts
+
+    every_round_drafts(monkeypatch)
+    cfg = Config(intra_op_threads=1, cache=False, cpu_kernels="rlxrt")  # what a batch runs
+    requests = [dict(max_new_tokens=40, ignore_eos=True), dict(max_new_tokens=32, temperature=0.8, seed=3),
+                dict(max_new_tokens=40, ignore_eos=True)]
+    plain = Session(target, None, cfg).generate(PROMPT, **requests[0]).token_ids
+    alone = Session(Batch(target, cfg, slots=1, calibrate=False), MtpHead(HeadBatch(int8_head, cfg, slots=1), cfg),
+                    cfg, k=3).generate(PROMPT, **requests[1]).token_ids
+    batch, heads = Batch(target, cfg, slots=3, calibrate=False), HeadBatch(int8_head, cfg, slots=3)
+    driver, got = Driver(), {}
+
+    def task(i):
+        got[i] = Session(batch, MtpHead(heads, cfg), cfg, k=3).generate(PROMPT, **requests[i]).token_ids
+
+    try:
+        for i in range(3):
+            driver.spawn(task, i)
+        driver.run()
+    finally:
+        driver.close()
+    assert got == {0: plain, 1: alone, 2: plain}
+    assert heads.calls > heads.steps > 0
+    with pytest.raises(ProviderError, match="int8 or int4 head"):  # a float head's MatMuls are not rlxrt's
+        HeadBatch(attn_head, cfg, slots=1)

@@ -1,19 +1,25 @@
 """The batched MTP head graph (backends/head_batch.py, stream_scan.h) on the shipped SmolLM2 head: each
 sequence computed as the one-sequence head computes it, and bitwise the same whatever the other sequences of
-the call, with rollbacks of different lengths per slot."""
+the call, with rollbacks of different lengths per slot; and Sessions drafting on a HeadBatch
+(sessions/head_batch.py) with the shipped pair's head: each request as alone, a failed step failing its request
+alone."""
 import dataclasses
+import gc
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import rlxrt
+from rlxrt.app.reference import reference_pair
 from rlxrt.backends import compile, head_batch
 from rlxrt.config import Config
-from rlxrt.errors import ProviderError
-from rlxrt.sessions import StateModel
+from rlxrt.errors import GenerationError, ProviderError
+from rlxrt.sessions import Batch, Cascade, Driver, HeadBatch, MtpHead, PromptLookup, Session, StateModel
+from rlxrt.sessions.batch import Slot
 
 HEAD = Path(rlxrt.__file__).parent / "assets" / "smollm2" / "head"
+FLAT = Path(rlxrt.__file__).parent / "assets" / "reference" / "mtp"
 CFG = Config(intra_op_threads=1)
 SLOTS, CAPACITY, R, H = 3, 128, 256, 576
 
@@ -99,9 +105,97 @@ def test_a_sequences_rows_are_bitwise_the_same_beside_any_others(calls, text):
 def test_a_head_the_batch_cannot_run_is_refused_with_the_reason():
     m = rlxrt.Manifest.load(HEAD)
     assert head_batch.refusal(m) is None
-    flat = dataclasses.replace(m, draft_head={**m.draft_head, "attention_heads": 0})
-    assert "no attention layer" in head_batch.refusal(flat)
+    assert head_batch.refusal(rlxrt.Manifest.load(FLAT)) is None  # no attention layer: one hidden row a sequence
+    cacheless = dataclasses.replace(m, kv_cache=None)
+    assert "no one-layer cache" in head_batch.refusal(cacheless)
     streams = dataclasses.replace(m, draft_head={**m.draft_head, "hidden_layers": [3, 7]})
     assert "residual streams" in head_batch.refusal(streams)
     with pytest.raises(ProviderError, match="rlxrt's CPU kernels"):
         compile(HEAD, Config(intra_op_threads=1, cpu_kernels="ort"), batched=True)
+
+
+# -- the head's batch under Sessions ----------------------------------------------------------------------------
+TARGET = str(reference_pair()[0])
+KCFG = Config(intra_op_threads=1, cache=False, cpu_kernels="rlxrt")
+CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef add(a, b):\n    return"
+
+
+def every_round_drafts(monkeypatch):
+    """Each round drafts the k its Session wants (the batch's plan and guard bypassed), so that Sessions that
+    draft meet in the head's steps."""
+    def k_cap(self, wanted, ks=None):
+        self.caps = [wanted if ks is None else min(wanted, k) for k in (ks or [wanted] * len(self.caps))]
+        self._asked = True
+        return max(self.caps, default=0)
+
+    monkeypatch.setattr(Slot, "k_cap", k_cap)
+
+
+def _speculator(i, heads):
+    head = MtpHead(heads, KCFG)
+    return head if i % 2 else Cascade(PromptLookup(min_n=3), head)
+
+
+def test_driven_sessions_on_a_head_batch_equal_their_lone_runs_and_share_its_steps(monkeypatch):
+    """Six requests (greedy and seeded sampled, the head alone and behind prompt lookup) as tasks of a driver,
+    joining and leaving while others decode, each drafting with a slot of one HeadBatch: each equals its run
+    alone on a batch of one, the greedy ones plain greedy, and the head's steps held several sequences."""
+    every_round_drafts(monkeypatch)
+    requests = [(CODE + " " * i, dict(max_new_tokens=24 + 8 * (i % 3), ignore_eos=True,
+                                     **({"temperature": 0.8, "seed": i} if i % 3 == 2 else {}))) for i in range(6)]
+    lone = {}
+    for i, (prompt, kw) in enumerate(requests):
+        session = Session(Batch(TARGET, KCFG, slots=1, calibrate=False), _speculator(i, HeadBatch(FLAT, KCFG, slots=1)),
+                          KCFG, k=3)
+        lone[i] = session.generate(prompt, **kw).token_ids
+    plain = Session(TARGET, None, KCFG)
+    for i, (prompt, kw) in enumerate(requests):
+        if "seed" not in kw:
+            assert lone[i] == plain.generate(prompt, **kw).token_ids
+    batch = Batch(TARGET, KCFG, slots=4, chunk=16, calibrate=False)
+    heads = HeadBatch(FLAT, KCFG, slots=4, chunk=16)
+    driver, got = Driver(), {}
+
+    def task(i):
+        session = Session(batch, _speculator(i, heads), KCFG, k=3)
+        got[i] = session.generate(requests[i][0], **requests[i][1]).token_ids
+        if i + 3 < len(requests):
+            driver.spawn(task, i + 3)  # joins beside the running ones
+
+    try:
+        for i in range(3):
+            driver.spawn(task, i)
+        driver.run()
+    finally:
+        driver.close()
+    assert got == lone
+    assert heads.calls > heads.steps > 0  # the drafting Sessions' calls ran together
+
+
+def test_a_failed_head_step_fails_its_request_and_the_head_batch_serves_on(monkeypatch):
+    every_round_drafts(monkeypatch)
+    heads = HeadBatch(FLAT, KCFG, slots=1)
+    session = Session(Batch(TARGET, KCFG, slots=1, calibrate=False), MtpHead(heads, KCFG), KCFG, k=2)
+    real = heads.graph.session.run_with_iobinding
+
+    def fails(binding):
+        raise heads.graph.errors[0]("injected fault")
+
+    monkeypatch.setattr(heads.graph.session, "run_with_iobinding", fails)
+    with pytest.raises(GenerationError, match="batched head"):
+        session.generate(CODE, max_new_tokens=12, ignore_eos=True)
+    monkeypatch.setattr(heads.graph.session, "run_with_iobinding", real)
+    plain = Session(TARGET, None, KCFG).generate(CODE, max_new_tokens=12, ignore_eos=True).token_ids
+    assert session.generate(CODE, max_new_tokens=12, ignore_eos=True).token_ids == plain
+
+
+def test_a_head_batch_refuses_a_lone_target_and_a_slot_too_many():
+    heads = HeadBatch(FLAT, KCFG, slots=1)
+    with pytest.raises(GenerationError, match="slot of a Batch"):
+        Session(TARGET, MtpHead(heads, KCFG), KCFG)
+    held = MtpHead(heads, KCFG)
+    with pytest.raises(GenerationError, match="all 1 slots"):
+        MtpHead(heads, KCFG)
+    del held
+    gc.collect()
+    MtpHead(heads, KCFG)  # the slot came back with the speculator that held it

@@ -12,11 +12,13 @@ pytest.importorskip("openai")
 
 from serving import Running, options  # noqa: E402
 
+from rlxrt.app.flags import head_dir  # noqa: E402
 from rlxrt.app.reference import reference_pair, reference_prompts  # noqa: E402
 from rlxrt.config import Config  # noqa: E402
 from rlxrt.sessions import Session  # noqa: E402
 
 TARGET, DRAFT = reference_pair()
+HEAD = head_dir(None, None)
 PROMPTS = reference_prompts()
 
 
@@ -28,7 +30,7 @@ def _ask(client, prompt: str, n: int, temperature: float, seed: int | None, stre
     return client.completions.create(**kw).choices[0].text
 
 
-@pytest.mark.parametrize("speculator, draft", [("lookup+draft", DRAFT), ("none", None)])
+@pytest.mark.parametrize("speculator, draft", [("lookup+draft", DRAFT), ("lookup+mtp", HEAD), ("none", None)])
 def test_64_concurrent_mixed_requests_equal_each_alone(speculator, draft):
     server = Running(options(TARGET, speculator, draft, workers=8, engine="batch",
                              adaptive_k=speculator != "none"))
@@ -60,9 +62,9 @@ def test_64_concurrent_mixed_requests_equal_each_alone(speculator, draft):
         assert report["slots"] == 8 and report["steps"] > 0 and 1.0 <= report["sequences_per_step"] <= 8
         assert set(report["guards"].values()) <= {"drafting", "plain"} and all(v >= 0 for v in report["gap_ms"].values())
         assert set(report["gap_ms"]) <= {"1", "2", "3-4", "5-8"}  # per load, in sequences a step (8 slots)
-        if speculator != "none":  # lookup and the draft each priced apart, once they drafted before a step
-            assert {n for costs in report["draft_token_ms"].values() for n in costs} <= {"prompt-lookup",
-                                                                                        "draft-model"}
+        if speculator != "none":  # lookup and the model each priced apart, once they drafted before a step
+            model = "draft-model" if speculator == "lookup+draft" else "mtp-head"
+            assert {n for costs in report["draft_token_ms"].values() for n in costs} <= {"prompt-lookup", model}
             assert report["guards"]
             assert set(report["acceptance"]) == set(report["answers"]) and report["acceptance"]
             assert all(len(a) == 4 and all(0 <= x <= 1 for x in a) for a in report["acceptance"].values())

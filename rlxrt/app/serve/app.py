@@ -41,8 +41,8 @@ class Server:
         self.engine_reason = engine_reason
         """Why the pool serves rather than the batch (None under the batch)."""
         self.drafts = drafts
-        """How a draft model runs: ``batch`` (every Session's drafts in one step), ``each`` (each Session's on
-        its own), None without a draft model."""
+        """How a draft model or head runs: ``batch`` (every Session's drafts in one step), ``each`` (each
+        Session's on its own), None without one."""
         self.request_timeout, self.retry_after = request_timeout, retry_after
         s = pool.session
         self.session = s

@@ -90,7 +90,7 @@ def make_server(opts: ServeOptions):
 
     config = opts.config
     target, engine, why = _target(opts)
-    helper = _helper(opts, engine)
+    helper = _helper(opts, engine, target)
 
     def make_session():
         return Session(target, build(opts.speculator, helper, helper.config if helper else config, opts.min_prob),
@@ -102,7 +102,9 @@ def make_server(opts: ServeOptions):
                                   driven=engine == "batch")
     from rlxrt.sessions.batch import Batch
 
-    drafts = None if model_of(opts.speculator) != "draft" else "batch" if isinstance(helper, Batch) else "each"
+    from rlxrt.sessions.head_batch import HeadBatch
+
+    drafts = None if not model_of(opts.speculator) else "batch" if isinstance(helper, (Batch, HeadBatch)) else "each"
     return Server(pool, opts.name, metrics, opts.request_timeout, engine=engine, engine_reason=why, drafts=drafts,
                   batch=target if engine == "batch" else None)
 
@@ -129,10 +131,10 @@ def _target(opts: ServeOptions):
     return compile(opts.target, opts.config), "pool", why
 
 
-def _helper(opts: ServeOptions, engine: str):
-    """The draft model or head: under the batch engine a draft model's own Batch where it can batch (every
-    Session's draft then runs in one step, on every core), else its graph with one intra-op thread (each Session
-    drafts on its own thread, beside the others); the pool's Sessions share the compiled graph."""
+def _helper(opts: ServeOptions, engine: str, target=None):
+    """The draft model or head: under the batch engine a draft model's own Batch, or a head's HeadBatch, where
+    it can batch (every Session's drafts then run in one step, on every core), else its graph with one intra-op
+    thread (each Session drafts on its own, beside the others); the pool's Sessions share the compiled graph."""
     import dataclasses
     import logging
 
@@ -147,5 +149,13 @@ def _helper(opts: ServeOptions, engine: str):
             return Batch(opts.draft, opts.config, slots=opts.workers, calibrate=False)
         except ProviderError as exc:
             logging.getLogger("rlxrt.serve").warning("the draft drafts alone in each Session: %s", exc)
+    if engine == "batch" and model_of(opts.speculator) == "mtp":
+        from rlxrt.sessions.head_batch import HeadBatch
+
+        try:
+            capacity = getattr(target, "capacity", None)  # the head reads no further than its target
+            return HeadBatch(opts.draft, opts.config, slots=opts.workers, capacity=capacity)
+        except ProviderError as exc:
+            logging.getLogger("rlxrt.serve").warning("the head drafts alone in each Session: %s", exc)
     config = dataclasses.replace(opts.config, intra_op_threads=1) if engine == "batch" else opts.config
     return compile(opts.draft, config)
