@@ -199,3 +199,29 @@ def test_a_head_batch_refuses_a_lone_target_and_a_slot_too_many():
     del held
     gc.collect()
     MtpHead(heads, KCFG)  # the slot came back with the speculator that held it
+
+
+def test_sessions_on_their_own_threads_share_a_head_batch_as_driven_ones_do(monkeypatch):
+    """Without a driver each Session runs on its own thread and the hand-in that completes a head step runs it:
+    every output equals its lone run, and the head's steps held several sequences."""
+    import threading
+
+    every_round_drafts(monkeypatch)
+    prompts = [CODE + " " * i for i in range(3)]
+    plain = Session(TARGET, None, KCFG)
+    lone = [plain.generate(p, max_new_tokens=24, ignore_eos=True).token_ids for p in prompts]
+    batch = Batch(TARGET, KCFG, slots=3, calibrate=False, gather_seconds=30.0)  # steps wait for all
+    heads = HeadBatch(FLAT, KCFG, slots=3)
+    sessions = [Session(batch, MtpHead(heads, KCFG), KCFG, k=3) for _ in prompts]
+    got = [None] * 3
+
+    def run(i):
+        got[i] = sessions[i].generate(prompts[i], max_new_tokens=24, ignore_eos=True).token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == lone
+    assert heads.calls > heads.steps > 0
