@@ -24,6 +24,7 @@ from rlxrt.backends.head_batch import LAST_ROWS, SEQUENCES
 from rlxrt.checks import as_int
 from rlxrt.config import Config
 from rlxrt.errors import GenerationError, ModelFormatError
+from rlxrt.limits import K_MAX
 
 from .kv import GraphModel
 from .steps import Steps
@@ -137,7 +138,8 @@ class HeadBatch(Steps):
             s.fed += count
             if s.fed == len(s.pending):
                 s.deliver(self._logits[0, n:n + 1], self._own[0, n:n + 1])
-                s.pending = None
+                if not (s.chain_left and s.chain_next()):  # else its next drafted token goes in the next step
+                    s.pending = None
         self._cond.notify_all()
 
     def _run(self, rows: int, sequences: int) -> None:
@@ -191,6 +193,12 @@ class HeadSlot(GraphModel):
         self._base = 0
         self._logits = np.zeros((1, self.logits_width), np.float32)
         self._own = np.zeros((1, batch._own.shape[2]), np.float32)
+        self.chain_left = 0
+        """Drafted tokens its chain has still to run (``chain``)."""
+        self._chain = np.zeros(K_MAX, np.int64)
+        self._chained = 0
+        self._next = np.zeros(1, np.int64)
+        self._next_rows = np.zeros_like(self._own)
         self.reset()
 
     def reset(self) -> None:
@@ -248,6 +256,41 @@ class HeadSlot(GraphModel):
         self.batch.submit(self, ids, 1)
         self.run_seconds += time.perf_counter() - t0
         return self._logits
+
+    def chain(self, tokens, hidden: np.ndarray, k: int) -> np.ndarray:
+        """Greedy drafts without leaving the batch's steps: feed ``tokens`` (with ``hidden``, as ``forward``),
+        then k - 1 times the argmax of the last call with the head's own hidden state, each in the step after;
+        the k argmax ids (valid until its next call). The steps run on without waking this slot's thread or
+        task between them, so they wait for no sequence's Python."""
+        k = as_int(k, "k (tokens a chain drafts)", 1, K_MAX)
+        if self.length + len(tokens) + k - 1 > self.max_positions:
+            raise GenerationError(f"a chain of {k} after {self.length + len(tokens)} tokens exceeds the head's "
+                                  f"batch capacity ({self.max_positions})")
+        self._chained, self.chain_left = 0, k
+        try:
+            self.forward(tokens, hidden)
+        finally:
+            self.chain_left = 0
+        return self._chain[:self._chained]
+
+    def chain_next(self) -> bool:
+        """A chain's step is over (under the batch's lock, its rows delivered): keep the argmax; True where the
+        chain goes on, that token and the head's own hidden state then pending."""
+        x = int(self._logits[0].argmax())
+        if self.vocab_ids is not None:
+            x = int(self.vocab_ids[x])
+        self._chain[self._chained] = x
+        self._chained += 1
+        self.chain_left -= 1
+        if not self.chain_left:
+            if self.led:  # its round's drafting is done: the others' chains need not wait for it
+                self.active = False
+            return False
+        self._next[0] = x
+        self._next_rows[:] = self._own
+        self.pending, self.rows, self.fed = self._next, self._next_rows, 0
+        self.since = time.perf_counter()
+        return True
 
     def commit(self, length: int) -> None:
         """Keep the state after the first ``length`` tokens; the KV cache moves its length back with it."""

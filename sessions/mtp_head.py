@@ -151,6 +151,8 @@ class MtpHead(ModelSpeculator):
         if k <= 0 or self.last is None:  # a one-token prompt: no hidden state before the first round
             return DraftProposal(np.zeros(0, np.int64))
         try:
+            if m.shared and ctx.params.greedy and not self.min_prob:  # the whole chain in the head's batch steps
+                return DraftProposal(m.chain(ctx.unread(m.length + 1), self.last, k))
             first = m.forward(ctx.unread(m.length + 1), self.last)[0]  # the head's position i reads token i + 1
             return self.chain(first, k, ctx, lambda x: m.forward((x,), m.hidden)[0])  # chained on its own hidden
         finally:

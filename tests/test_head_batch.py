@@ -225,3 +225,22 @@ def test_sessions_on_their_own_threads_share_a_head_batch_as_driven_ones_do(monk
         t.join(120)
     assert got == lone
     assert heads.calls > heads.steps > 0
+
+
+def test_a_greedy_chain_stays_in_the_head_batchs_steps(monkeypatch):
+    """A greedy proposal hands in once and its k - 1 chained tokens run in the steps after, without its Session
+    between them; a sampled one hands in every token. Output is plain greedy's either way."""
+    every_round_drafts(monkeypatch)
+    heads = HeadBatch(FLAT, KCFG, slots=1)
+    hand_ins = []
+    submit = HeadBatch.submit
+    monkeypatch.setattr(HeadBatch, "submit", lambda self, *a: (hand_ins.append(1), submit(self, *a))[1])
+    session = Session(Batch(TARGET, KCFG, slots=1, calibrate=False), MtpHead(heads, KCFG), KCFG, k=3)
+    g = session.generate(CODE, max_new_tokens=24, ignore_eos=True)
+    assert g.token_ids == Session(TARGET, None, KCFG).generate(CODE, max_new_tokens=24, ignore_eos=True).token_ids
+    assert 0 < len(hand_ins) <= g.stats.rounds  # one hand-in a drafting round, at most
+    assert heads.steps >= 2 * len(hand_ins)  # and its chain's steps after it (k = 3: three steps a proposal)
+    hand_ins.clear()
+    steps = heads.steps
+    session.generate(CODE, max_new_tokens=24, ignore_eos=True, temperature=0.8, seed=1)
+    assert len(hand_ins) == heads.steps - steps  # sampled: a hand-in a step
