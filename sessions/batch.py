@@ -222,19 +222,7 @@ class Batch(Steps):
             self._rows[r:r + want] = self._positions[t + count - want:t + count]
             parts.append((s, t, count, r, want, last))
             t, r = t + count, r + want
-        self._running = True
-        self._cond.release()
-        error, seconds = None, 0.0
-        try:
-            seconds = self._run(t, len(taking), r)
-        except Exception as exc:  # every slot of the step hears of it, in its own thread
-            error = exc
-        finally:
-            self._cond.acquire()
-            self._running = False
-        if error is None:
-            self.steps += 1
-            self.calls += len(parts)
+        seconds, error = self._run_unlocked(len(parts), t, len(taking), r)
         if error is None and own:
             if rounds:  # the plan is for rounds, not for prompts' chunks
                 self.cost.observe(t, seconds, sum(s.length for s in taking) / len(taking))
@@ -254,8 +242,7 @@ class Batch(Steps):
             self.planned_next = arm and active > 1 and bool(self._plan) and not self._recount
         for s, start, count, r0, want, last in parts:
             if error is not None:
-                s.pending, s.error = None, error if isinstance(error, GenerationError) else GenerationError(
-                    f"the batched step failed: {error}")
+                self._fail(s, error, "the batched step")
                 s.chain_left = 0
                 continue
             if self._hidden is not None:

@@ -116,23 +116,11 @@ class HeadBatch(Steps):
             self._last[n] = t + count - 1
             parts.append((s, t, count))
             t += count
-        self._running = True
-        self._cond.release()
-        error = None
-        try:
-            self._run(t, len(taking))
-        except Exception as exc:  # every slot of the step hears of it, in its own thread
-            error = exc
-        finally:
-            self._cond.acquire()
-            self._running = False
-        if error is None:
-            self.steps += 1
-            self.calls += len(parts)
+        _, error = self._run_unlocked(len(parts), t, len(taking))
         for n, (s, start, count) in enumerate(parts):
             if error is not None:
-                s.pending, s.error = None, error if isinstance(error, GenerationError) else GenerationError(
-                    f"the head's batched step failed: {error}")
+                self._fail(s, error, "the head's batched step")
+                s.chain_left = 0
                 continue
             s.keep(self._states[start:start + count])
             s.fed += count

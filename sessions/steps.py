@@ -52,6 +52,28 @@ class Steps:
                 self._free.append(slot.index)
                 self._cond.notify_all()
 
+    def _run_unlocked(self, calls: int, *args):
+        """``self._run(*args)`` (a step's ONNX Runtime call, ``calls`` slots' calls) with the lock released:
+        (what it returned, None), or (None, what it raised); a step that ran is counted."""
+        self._running = True
+        self._cond.release()
+        try:
+            out = self._run(*args)
+        except Exception as exc:  # every slot of the step hears of it, in its own thread
+            return None, exc
+        finally:
+            self._cond.acquire()
+            self._running = False
+        self.steps += 1
+        self.calls += calls
+        return out, None
+
+    @staticmethod
+    def _fail(slot, error: Exception, what: str) -> None:
+        """The step failed: ``slot``'s call ends with ``error`` (as a GenerationError naming ``what``)."""
+        slot.pending = None
+        slot.error = error if isinstance(error, GenerationError) else GenerationError(f"{what} failed: {error}")
+
     def _value(self, name: str, array: np.ndarray, n: int):
         """An OrtValue over ``array`` (a view of a buffer made once, ``n`` long): made once per (name, n)."""
         key = (name, n)
