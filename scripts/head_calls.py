@@ -35,7 +35,7 @@ def main() -> None:
     batch = HeadBatch(head, config, slots=max(sizes))
     slots = [batch.slot() for _ in range(max(sizes))]
     one = StateModel(compile(head, config))
-    width = batch._own.shape[2]
+    width = int(one.manifest.draft_head["hidden_size"])
     rng = np.random.default_rng(0)
     ids = rng.integers(0, one.vocab_size, args.context + 1)
     hidden = rng.standard_normal((args.context + 1, width)).astype(np.float32)

@@ -243,7 +243,6 @@ class Batch(Steps):
         for s, start, count, r0, want, last in parts:
             if error is not None:
                 self._fail(s, error, "the batched step")
-                s.chain_left = 0
                 continue
             if self._hidden is not None:
                 s.keep_hidden(self._hidden[0, start:start + count], s.fed, len(s.pending))

@@ -26,7 +26,7 @@ from rlxrt.config import Config
 from rlxrt.errors import GenerationError, ModelFormatError
 from rlxrt.limits import K_MAX
 
-from .kv import GraphModel
+from .kv import GraphModel, draft_vocab_ids
 from .steps import Steps
 
 CHUNK = 128
@@ -42,10 +42,11 @@ class HeadBatch(Steps):
                  capacity: int | None = None, chunk: int = CHUNK):
         import onnxruntime as ort
 
-        path = head.path.parent if isinstance(head, CompiledGraph) else head
-        graph = head if isinstance(head, CompiledGraph) and head.batched else \
-            compile(path, config if config is not None or not isinstance(head, CompiledGraph) else head.config,
-                    batched=True)
+        if isinstance(head, CompiledGraph):
+            config = config if config is not None else head.config
+            graph = head if head.batched else compile(head.path.parent, config, batched=True)
+        else:
+            graph = compile(head, config, batched=True)
         m = graph.manifest
         if not m.draft_head or m.draft_head.get("kind") != "mtp":
             raise ModelFormatError(f"{graph.path} is not an MTP head (its manifest has no draft_head of kind 'mtp')")
@@ -75,8 +76,8 @@ class HeadBatch(Steps):
         self._state = np.zeros((self.slots, self.state_size), np.float32)
         self._seqs = np.zeros((self.slots, 3), np.int32)
         self._last = np.zeros(self.slots, np.int64)
-        logits_width = GraphModel(graph).logits_width
-        self._logits = np.zeros((1, self.slots, logits_width), np.float32)
+        ids = draft_vocab_ids(graph)
+        self._logits = np.zeros((1, self.slots, m.vocab_size if ids is None else len(ids)), np.float32)
         self._own = np.zeros((1, self.slots, width), np.float32)
         self._states = np.zeros((rows, self.state_size), np.float32)
         self._names = (m.inputs["input_ids"], m.inputs["hidden_states"], m.state.tensors[0].input, m.outputs["logits"],
@@ -120,14 +121,14 @@ class HeadBatch(Steps):
         for n, (s, start, count) in enumerate(parts):
             if error is not None:
                 self._fail(s, error, "the head's batched step")
-                s.chain_left = 0
                 continue
             s.keep(self._states[start:start + count])
             s.fed += count
             if s.fed == len(s.pending):
+                if s.chain_left and s.chain_next(self._logits[0, n], self._own[0, n:n + 1]):
+                    continue  # its next drafted token goes in the next step
                 s.deliver(self._logits[0, n:n + 1], self._own[0, n:n + 1])
-                if not (s.chain_left and s.chain_next()):  # else its next drafted token goes in the next step
-                    s.pending = None
+                s.pending = None
         self._cond.notify_all()
 
     def _run(self, rows: int, sequences: int) -> None:
@@ -261,10 +262,11 @@ class HeadSlot(GraphModel):
             self.chain_left = 0
         return self._chain[:self._chained]
 
-    def chain_next(self) -> bool:
-        """A chain's step is over (under the batch's lock, its rows delivered): keep the argmax; True where the
-        chain goes on, that token and the head's own hidden state then pending."""
-        x = int(self._logits[0].argmax())
+    def chain_next(self, logits: np.ndarray, own: np.ndarray) -> bool:
+        """A chain's step is over (under the batch's lock): keep the argmax of ``logits``, its row (read in the
+        step's buffer, not copied); True where the chain goes on, that token and the head's own hidden state
+        ``own`` [1, H] then pending."""
+        x = int(logits.argmax())
         if self.vocab_ids is not None:
             x = int(self.vocab_ids[x])
         self._chain[self._chained] = x
@@ -275,7 +277,7 @@ class HeadSlot(GraphModel):
                 self.active = False
             return False
         self._next[0] = x
-        self._next_rows[:] = self._own
+        self._next_rows[:] = own
         self.pending, self.rows, self.fed = self._next, self._next_rows, 0
         self.since = time.perf_counter()
         return True
@@ -283,6 +285,5 @@ class HeadSlot(GraphModel):
     def commit(self, length: int) -> None:
         """Keep the state after the first ``length`` tokens; the KV cache moves its length back with it."""
         length = min(self.length, length)
-        keep = self.state(length).copy()
-        self._kept[0] = keep
+        self._kept[0] = self.state(length)  # one row onto another (or itself): nothing to copy first
         self._base = self.length = length

@@ -70,8 +70,9 @@ class Steps:
 
     @staticmethod
     def _fail(slot, error: Exception, what: str) -> None:
-        """The step failed: ``slot``'s call ends with ``error`` (as a GenerationError naming ``what``)."""
-        slot.pending = None
+        """The step failed: ``slot``'s call (and its chain) ends with ``error`` (as a GenerationError naming
+        ``what``)."""
+        slot.pending, slot.chain_left = None, 0
         slot.error = error if isinstance(error, GenerationError) else GenerationError(f"{what} failed: {error}")
 
     def _value(self, name: str, array: np.ndarray, n: int):
