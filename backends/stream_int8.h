@@ -98,9 +98,11 @@ VNNI AI __m512i vnni_codes(const uint8_t *bytes, int bits) {
  * 8: a byte each), their zero ``zero``. Per block of 32: the 2 R dot products (both groups of 16 columns) stay
  * in registers, started at -zero * sum_q, so that they end as the exact sum_k c q - zero sum_q; the float32 sums
  * go to memory and back once a block (as registers they spilled: now 0.6-0.8x the time at 4-224 rows,
- * docs/kernels.md). Every row gets the same operations in the same order whatever R. */
+ * docs/kernels.md). Every row gets the same operations in the same order whatever R. ``next``: the next panel's
+ * 4-bit codes where this pass reads codes unpacked before it (vnni_unpacked), prefetched a line a quad with its
+ * scales and shift, so that they arrive while this pass computes rather than while the next panel unpacks them. */
 VNNI AI void vnni_rows(int R, Quantised x, const uint8_t *c, const float *s, const float *shift, int bits,
-                       int32_t zero, int64_t K, float *y, int64_t ldy) {
+                       int32_t zero, int64_t K, float *y, int64_t ldy, const uint8_t *next) {
   int64_t group_bytes = bits == 4 ? 32 : 64, blocks = K / 32;
   _Alignas(64) float acc[QWIDE][2][16];
   for (int r = 0; r < R; r++) memset(acc[r], 0, sizeof acc[r]);
@@ -123,6 +125,12 @@ VNNI AI void vnni_rows(int R, Quantised x, const uint8_t *c, const float *s, con
         dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], c0, q4);
         dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], c1, q4);
       }
+    }
+    if (next) {
+      for (int line = 0; line < 8; line++) __builtin_prefetch(next + (b * 8 + line) * 64, 0, 3);
+      __builtin_prefetch(s + K + b * PANEL, 0, 3);
+      __builtin_prefetch(s + K + b * PANEL + 16, 0, 3);
+      if (shift) __builtin_prefetch(shift + K + b * PANEL, 0, 3), __builtin_prefetch(shift + K + b * PANEL + 16, 0, 3);
     }
     __m512 s0 = _mm512_loadu_ps(s + b * PANEL), s1 = _mm512_loadu_ps(s + b * PANEL + 16);
 #pragma GCC unroll 12
@@ -178,23 +186,24 @@ VNNI static void vnni_unpack(const uint8_t *c, int64_t K, uint8_t *out) {
 VNNI AI void vnni_chunk(int rows, Quantised x, const uint8_t *c, const float *s, const float *shift, int bits,
                         int32_t zero, int64_t K, float *y, int64_t ldy) {
   switch (rows) {
-    case 1: vnni_rows(1, x, c, s, shift, bits, zero, K, y, ldy); break;
-    case 2: vnni_rows(2, x, c, s, shift, bits, zero, K, y, ldy); break;
-    case 3: vnni_rows(3, x, c, s, shift, bits, zero, K, y, ldy); break;
-    case 4: vnni_rows(4, x, c, s, shift, bits, zero, K, y, ldy); break;
-    case 5: vnni_rows(5, x, c, s, shift, bits, zero, K, y, ldy); break;
-    case 6: vnni_rows(6, x, c, s, shift, bits, zero, K, y, ldy); break;
-    case 7: vnni_rows(7, x, c, s, shift, bits, zero, K, y, ldy); break;
-    case 8: vnni_rows(8, x, c, s, shift, bits, zero, K, y, ldy); break;
-    case 9: vnni_rows(9, x, c, s, shift, bits, zero, K, y, ldy); break;
-    case 10: vnni_rows(10, x, c, s, shift, bits, zero, K, y, ldy); break;
-    case 11: vnni_rows(11, x, c, s, shift, bits, zero, K, y, ldy); break;
-    default: vnni_rows(12, x, c, s, shift, bits, zero, K, y, ldy); break;
+    case 1: vnni_rows(1, x, c, s, shift, bits, zero, K, y, ldy, NULL); break;
+    case 2: vnni_rows(2, x, c, s, shift, bits, zero, K, y, ldy, NULL); break;
+    case 3: vnni_rows(3, x, c, s, shift, bits, zero, K, y, ldy, NULL); break;
+    case 4: vnni_rows(4, x, c, s, shift, bits, zero, K, y, ldy, NULL); break;
+    case 5: vnni_rows(5, x, c, s, shift, bits, zero, K, y, ldy, NULL); break;
+    case 6: vnni_rows(6, x, c, s, shift, bits, zero, K, y, ldy, NULL); break;
+    case 7: vnni_rows(7, x, c, s, shift, bits, zero, K, y, ldy, NULL); break;
+    case 8: vnni_rows(8, x, c, s, shift, bits, zero, K, y, ldy, NULL); break;
+    case 9: vnni_rows(9, x, c, s, shift, bits, zero, K, y, ldy, NULL); break;
+    case 10: vnni_rows(10, x, c, s, shift, bits, zero, K, y, ldy, NULL); break;
+    case 11: vnni_rows(11, x, c, s, shift, bits, zero, K, y, ldy, NULL); break;
+    default: vnni_rows(12, x, c, s, shift, bits, zero, K, y, ldy, NULL); break;
   }
 }
 
-VNNI static void vnni_qpanel(Quantised x, const uint8_t *c, const float *s, const float *shift, int bits, int64_t M,
-                             int64_t K, float *y, int64_t ldy, int64_t width) {
+VNNI __attribute__((noinline)) static void vnni_qpanel(Quantised x, const uint8_t *c, const float *s,
+                                                       const float *shift, int bits, int64_t M, int64_t K, float *y,
+                                                       int64_t ldy, int64_t width) {
   float tail[QWIDE * PANEL];
   _Alignas(64) uint8_t bytes[UNPACKED_BYTES];
   int32_t zero = bits == 4 ? 8 : 128;
@@ -216,6 +225,35 @@ VNNI static void vnni_qpanel(Quantised x, const uint8_t *c, const float *s, cons
       for (int r = 0; r < rows; r++) memcpy(y + (m + r) * ldy, tail + r * PANEL, width * sizeof(float));
   }
 }
+
+/* a panel of a call of more than QWIDE rows over 4-bit codes: unpacked once to bytes, then chunks of QCHUNK rows,
+ * the first reading the next panel's codes ahead; what vnni_qpanel computes, bit for bit. A function of its own,
+ * after vnni_qpanel, so that vnni_qpanel's one-pass calls compile where they were (moving them moved an 8-row
+ * pass by 6 %). */
+VNNI __attribute__((noinline)) static void vnni_unpacked(Quantised x, const uint8_t *c, const float *s,
+                                                         const float *shift, int64_t M, int64_t K, float *y,
+                                                         int64_t ldy, int64_t width) {
+  float tail[QCHUNK * PANEL];
+  _Alignas(64) uint8_t bytes[UNPACKED_BYTES];
+  vnni_unpack(c, K, bytes);
+  for (int64_t m = 0; m < M; m += QCHUNK) {
+    int rows = (int)(M - m < QCHUNK ? M - m : QCHUNK);
+    Quantised xm = {x.q + m * K, x.d + m * (K / 32), x.sums + m * (K / 32), x.xs ? x.xs + m * (K / 32) : NULL};
+    float *out = width == PANEL ? y + m * ldy : tail;
+    int64_t ld = width == PANEL ? ldy : PANEL;
+    if (m == 0) vnni_rows(QCHUNK, xm, bytes, s, shift, 8, 8, K, out, ld, c + K * 16);
+    else vnni_chunk(rows, xm, bytes, s, shift, 8, 8, K, out, ld);
+    if (width < PANEL)
+      for (int r = 0; r < rows; r++) memcpy(y + (m + r) * ldy, tail + r * PANEL, width * sizeof(float));
+  }
+}
+
+/* vnni_qpanel, or vnni_unpacked where it applies */
+VNNI static void vnni_panel(Quantised x, const uint8_t *c, const float *s, const float *shift, int bits, int64_t M,
+                            int64_t K, float *y, int64_t ldy, int64_t width) {
+  if (bits == 4 && M > QWIDE && K * 32 <= UNPACKED_BYTES) vnni_unpacked(x, c, s, shift, M, K, y, ldy, width);
+  else vnni_qpanel(x, c, s, shift, bits, M, K, y, ldy, width);
+}
 #endif
 
 typedef void (*QPanelFn)(Quantised, const uint8_t *, const float *, const float *, int, int64_t, int64_t, float *,
@@ -231,7 +269,7 @@ static Int8Variant choose_int8(void) {
   __builtin_cpu_init();
   if (!(isa && !strcmp(isa, "generic")) && __builtin_cpu_supports("avx512vnni") &&
       __builtin_cpu_supports("avx512bw"))
-    return (Int8Variant){vnni_qpanel, vnni_quantise, "avx512vnni"};
+    return (Int8Variant){vnni_panel, vnni_quantise, "avx512vnni"};
 #endif
   (void)isa;
   return generic;
