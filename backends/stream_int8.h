@@ -18,6 +18,9 @@
 #define QCHUNK 6 /* rows a pass over a panel's codes takes when a call has more than QWIDE (fastest of 4-8) */
 #define QWIDE 12 /* a call of up to this many rows takes one pass */
 #define UNPACKED_BYTES 65536 /* a panel of 4-bit codes unpacked, up to K = 2048 (on the stack) */
+#ifndef QAHEAD
+#define QAHEAD 128 /* lines of codes a pass prefetches ahead of the quad it reads (docs/kernels.md) */
+#endif
 
 /* a [M, K] quantised: q, and per row and block of 32 its d, the sum of its q, and the sum of its floats (xs, for a
  * weight's shift: a Q4_1 block's minimum and offset, applied as xs times a float per column and block) */
@@ -114,8 +117,8 @@ VNNI AI void vnni_rows(int R, Quantised x, const uint8_t *c, const float *s, con
 #pragma GCC unroll 8
     for (int quad = 0; quad < 8; quad++) {
       const uint8_t *g0 = at + quad * 2 * group_bytes, *g1 = g0 + group_bytes;
-      __builtin_prefetch(g0 + 64 * AHEAD, 0, 3);
-      __builtin_prefetch(g1 + 64 * AHEAD, 0, 3);
+      __builtin_prefetch(g0 + 64 * QAHEAD, 0, 3);
+      __builtin_prefetch(g1 + 64 * QAHEAD, 0, 3);
       __m512i c0 = vnni_codes(g0, bits), c1 = vnni_codes(g1, bits);
 #pragma GCC unroll 12
       for (int r = 0; r < R; r++) {

@@ -17,7 +17,6 @@
 #include <time.h>
 
 #define PANEL 32
-#define AHEAD 24
 #define AI static inline __attribute__((always_inline))
 #include "stream_int8.h"
 
