@@ -20,7 +20,7 @@
 /* ... where K is at least this: a lone row over 4 strips at once took less time than one strip at a
  * time for K >= 256 and slower for K = 128 (docs/kernels.md) */
 #ifndef AHEAD
-#define AHEAD 24 /* weight rows a chunk of rows prefetches ahead of the one it multiplies by (docs/kernels.md) */
+#define AHEAD 96 /* weight rows a chunk of rows prefetches ahead of the one it multiplies by (docs/kernels.md) */
 #endif
 #define AI static inline __attribute__((always_inline))
 
