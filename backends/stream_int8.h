@@ -211,7 +211,9 @@ VNNI __attribute__((noinline)) static void vnni_qpanel(Quantised x, const uint8_
   _Alignas(64) uint8_t bytes[UNPACKED_BYTES];
   int32_t zero = bits == 4 ? 8 : 128;
   int64_t chunk = M <= QWIDE ? QWIDE : QCHUNK;
-  if (bits == 4 && M > chunk && K * 32 <= (int64_t)sizeof bytes) { /* the same codes, unpacked once */
+  /* the same codes, unpacked once: vnni_panel sends these calls to vnni_unpacked, but without this branch the
+   * one-pass calls compiled 2-4 % slower at 8-12 rows (code layout; docs/kernels.md, stop 69) */
+  if (bits == 4 && M > chunk && K * 32 <= (int64_t)sizeof bytes) {
     vnni_unpack(c, K, bytes);
     c = bytes;
     bits = 8;
