@@ -200,12 +200,16 @@ class Batch(Steps):
         start = time.perf_counter()
         gap = start - self._ended if self._ended is not None else None
         if own:  # what the step tells the plan and the guard (a draft's batch has neither)
-            rounds = not any(s.fresh for s in taking)  # every slot past its prompt: the step holds rounds alone
-            clean = rounds and any(s.sources for s in taking)  # none can draft: nothing to tell
-            drafted = sum(len(s.pending) - 1 for s in taking) if clean else 0
-            caught_up = any(len(s.pending) > 1 and not s.drafted_last for s in taking)  # first drafts in a while
+            rounds, sources, drafted, caught_up = True, False, 0, False  # one pass: every step runs it
             for s in taking:
-                s.drafted_last = not s.fresh and len(s.pending) > 1
+                extra = len(s.pending) - 1
+                rounds = rounds and not s.fresh  # every slot past its prompt: the step holds rounds alone
+                sources = sources or bool(s.sources)
+                caught_up = caught_up or (extra > 0 and not s.drafted_last)  # first drafts in a while
+                drafted += extra
+                s.drafted_last = not s.fresh and extra > 0
+            clean = rounds and sources  # none can draft: nothing to tell
+            drafted = drafted if clean else 0
             load = self._active_count()
             guard, waits = self.guard(load), self.draft_cost(load)
             drafting = guard.drafting  # the mode the slots planned this step's rounds in
@@ -544,6 +548,7 @@ class Slot(GraphModel):
         """Of each source: the estimated chance it proposes something when asked (lookup: finds a match)."""
         self.caps: list[int] = []
         """The k of each source this round (``k_cap``)."""
+        self._capped = False  # some cap is above 0
         self._asked = False  # the round was planned: caps says which sources were asked
         self._gap: _Gap | None = None  # the gap before the step that ran this slot's drafts, told in ``observe``
         self.drafted_last = False
@@ -686,7 +691,7 @@ class Slot(GraphModel):
             self.acceptance = [Acceptance(PRIOR_ACCEPTANCE, ACCEPTANCE_DECAY, ACCEPTANCE_DRIFT,
                                           base=self.batch.pool(name)) for name in names]
             self.answers = [self.batch.answer_rates.get(name, PRIOR_ANSWER) for name in names]
-            self.caps = [0] * len(names)
+            self.caps, self._capped = [0] * len(names), False
             self._drafted_at = [None] * len(names)
 
     def chances(self) -> list[float]:
@@ -704,9 +709,13 @@ class Slot(GraphModel):
         plan that holds for the k it wants (``Batch.planned_next``)."""
         self.k_wanted = wanted
         batch, planned = self.batch, self.planned
-        if not batch.drafts_next:
-            plan: list[int] | int = 0
-        elif batch.planned_next and planned is not None and planned[1] == wanted and len(planned[0]) == len(self.caps):
+        self._asked = True
+        if not batch.drafts_next:  # the round is a plain one: as cheap as a plain Session's (docs/performance.md)
+            if self._capped:
+                self.caps[:] = [0] * len(self.caps)
+                self._capped = False
+            return 0
+        if batch.planned_next and planned is not None and planned[1] == wanted and len(planned[0]) == len(self.caps):
             plan = planned[0]
         else:
             with batch._cond:
@@ -714,14 +723,14 @@ class Slot(GraphModel):
         for i in range(len(self.caps)):
             k = plan if isinstance(plan, int) else plan[i]
             self.caps[i] = min(k, wanted if ks is None else min(wanted, ks[i]))
-        self._asked = True
+        self._capped = any(self.caps)
         return max(self.caps, default=0)
 
     def observe(self, drafted: int, accepted: int, source: int = 0, seconds: float = 0.0) -> None:
         """A round's result (``source``: which one drafted it, in ``seconds`` of this slot's thread): the
         acceptance and chances the batch plans with, what the step before it waited for, the tokens it emitted."""
         self.emitted += accepted + 1
-        if drafted == 0 and not (self._asked and any(self.caps)):  # nothing to tell but its count: no lock
+        if drafted == 0 and not (self._asked and self._capped):  # nothing to tell but its count: no lock
             self._asked = False
             self._rounds += 1
             self._idle += 1

@@ -51,6 +51,9 @@ class DraftModel(ModelSpeculator):
                                                              "catch up; None: all)", 1, 1 << 20)
         self.offset = 0
         """The position in the text of the draft's first one (above 0 once it started again on the last tokens)."""
+        self.read_ahead = False
+        """Whether it read tokens since its last commit (a proposal): only then may its cache hold some the round
+        did not commit."""
 
         if isinstance(draft, Batch):  # a slot of the draft's batch, for this speculator's life
             self.model = draft.slot()
@@ -74,7 +77,7 @@ class DraftModel(ModelSpeculator):
 
     def reset(self) -> None:
         self.model.reset()
-        self.offset = 0
+        self.offset, self.read_ahead = 0, False
 
     def _unread(self, ctx: Context) -> list[int]:
         """The tokens the draft reads next: all it has not read, or the last ``catch_up`` of the text where it
@@ -91,6 +94,7 @@ class DraftModel(ModelSpeculator):
         k = min(k, ctx.room(m.max_positions + self.offset))
         if k <= 0:
             return DraftProposal(np.zeros(0, np.int64))
+        self.read_ahead = True
         unread = self._unread(ctx)
         if m.shared and ctx.params.greedy and not self.min_prob:  # the whole chain in the batch's steps
             return DraftProposal(m.chain(unread, k))
@@ -99,4 +103,6 @@ class DraftModel(ModelSpeculator):
         return self.chain(m.forward(unread, rows=1)[-1], k, ctx, lambda x: m.forward((x,))[0])
 
     def commit(self, ctx: Context, decision: AcceptDecision, verify: VerifyResult) -> None:
-        self.model.commit(ctx.read - self.offset)
+        if self.read_ahead:  # else its cache holds no more than the committed tokens: nothing to cut
+            self.read_ahead = False
+            self.model.commit(ctx.read - self.offset)

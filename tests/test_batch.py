@@ -161,6 +161,49 @@ def test_drafts_on_a_draft_batch_step_together_and_equal_their_lone_runs(catch_u
     assert drafts.calls > drafts.steps > 0
 
 
+class _Flipping:
+    """A guard that switches between plain steps and drafting every ``every`` steps it is told of."""
+
+    def __init__(self, every: int):
+        self.every, self.told, self.drafting, self.plain_steps = every, 0, True, 0
+
+    def step(self, drafting: bool, seconds: float, tokens: int) -> None:
+        self.told += 1
+        self.plain_steps += not drafting
+        if self.told % self.every == 0:
+            self.drafting = not self.drafting
+
+
+def test_rounds_that_switch_between_plain_steps_and_drafts_equal_their_lone_runs():
+    """Where the guard switches modes every few steps, a draft model's Session drafts in some rounds and not in
+    others (a plain round takes neither the lock nor the draft's commit: nothing it read is left to cut), and
+    catches up when it drafts again: every output, greedy and seeded, equals the lone run's."""
+    batch = Batch(TARGET, CFG, slots=4, chunk=16, gather_seconds=60)
+    drafts = Batch(DRAFT, CFG, slots=4, chunk=16, gather_seconds=60, calibrate=False)
+    flipping = _Flipping(3)
+    batch.guard = lambda sequences: flipping
+    requests = [(CODE + " " * i, dict(max_new_tokens=40, ignore_eos=True,
+                                     **({"temperature": 0.8, "seed": i} if i == 3 else {}))) for i in range(4)]
+    lone = {i: Session(TARGET, DraftModel(DRAFT, CFG), CFG, k=3).generate(p, **kw).token_ids
+            for i, (p, kw) in enumerate(requests)}
+    got, errors = {}, []
+
+    def run(i):
+        try:
+            got[i] = Session(batch, DraftModel(drafts, CFG), CFG, k=3).generate(requests[i][0],
+                                                                                **requests[i][1]).token_ids
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(50)
+    assert not errors, errors
+    assert got == lone
+    assert flipping.plain_steps > 3 and drafts.calls > drafts.steps > 0  # both modes ran
+
 def test_a_chain_runs_its_drafts_in_consecutive_steps_and_equals_the_token_by_token_chain():
     """``Slot.chain``: each slot's greedy chain (k of its own) runs in the batch's steps without its thread
     handing in between them, as many steps as the longest chain; its tokens are the argmax chain fed one token a
