@@ -5,7 +5,8 @@
 
 Modes, each with a Batch of its own (the shipped target and draft by default; a draft on a Batch of its own,
 a head on a HeadBatch, as the server runs them): ``plain`` (Sessions without a speculator), ``held`` (the
-speculator with every guard held in plain steps: it never drafts) and ``spec`` (the guards as they ship).
+speculator with every guard held in plain steps: it never drafts), ``drafting`` (every guard held drafting: the
+plan still chooses each round's k) and ``spec`` (the guards as they ship).
 SESSIONS Sessions run REQUESTS requests of TOKENS tokens between them; repeats interleave the modes, the order
 reversed every other one. For each mode: its median tokens a second, its ratio to the first mode's in every
 repeat, and the seconds of a run outside ONNX Runtime (the wall time less every Batch's and HeadBatch's calls),
@@ -30,7 +31,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=64, help="requests the Sessions run between them")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--modes", default="plain,held", help="of plain, held, spec; the first is the baseline")
+    p.add_argument("--modes", default="plain,held", help="of plain, held, drafting, spec; the first is the baseline")
     p.add_argument("--no-run", action="store_true", help="every step's ONNX Runtime call a no-op: Python alone")
     args = p.parse_args()
 
@@ -60,8 +61,8 @@ def main() -> int:
             batching.Batch(draft, slots=args.sessions, calibrate=False)
         sessions[mode] = [Session(batch, build(args.speculator, helper, None), k=args.k)
                           for _ in range(args.sessions)]
-        if mode == "held":
-            batch.guard = held(batch)
+        if mode in ("held", "drafting"):
+            batch.guard = held(batch, mode == "drafting")
 
     def run(mode: str) -> tuple[float, float]:
         driver, todo, done = Driver(), list(range(args.requests)), [0]
@@ -111,13 +112,13 @@ def timed(cls, runs: dict) -> None:
     cls._run = _run
 
 
-def held(batch):
-    """``batch.guard`` with every guard it makes held in plain steps."""
+def held(batch, drafting: bool):
+    """``batch.guard`` with every guard it makes held in one mode."""
     make = batch.guard
 
     def guard(sequences: int):
         g = make(sequences)
-        g.drafting, g._switch = False, lambda drafting, phase: None
+        g.drafting, g._switch = drafting, lambda drafting, phase: None
         return g
 
     return guard
