@@ -50,6 +50,26 @@ def _play(model, prompt, calls) -> list[np.ndarray]:
     return out
 
 
+def _on_threads(count: int, run, hung: str, seconds: float = 50) -> list[Exception]:
+    """``run(i)`` for each i < count on a thread of its own, all at once; what they raised. A thread still running
+    after ``seconds`` fails the test with ``hung``."""
+    errors: list[Exception] = []
+
+    def one(i):
+        try:
+            run(i)
+        except Exception as exc:  # returned to the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds)
+    assert not any(t.is_alive() for t in threads), hung
+    return errors
+
+
 def _batched_equals_lone(target, slots: int, chunk: int, lengths) -> None:
     lone = FusedKVModel(compile(target, CFG))
     batch = Batch(target, CFG, slots=slots, chunk=chunk, calibrate=False, gather_seconds=30.0)  # steps wait for all
@@ -140,22 +160,14 @@ def test_drafts_on_a_draft_batch_step_together_and_equal_their_lone_runs(catch_u
                                      **({"temperature": 0.8, "seed": i} if i % 3 == 2 else {}))) for i in range(6)]
     lone = {i: Session(TARGET, makers[i % 2](DRAFT), CFG, k=3).generate(p, **kw).token_ids
             for i, (p, kw) in enumerate(requests)}
-    got, errors = {}, []
+    got = {}
 
     def run(i):
-        try:
-            session = Session(batch, makers[i % 2](drafts), CFG, k=3)
-            for _ in range(2):
-                got[i] = session.generate(requests[i][0], **requests[i][1]).token_ids
-        except Exception as exc:  # reported below
-            errors.append(exc)
+        session = Session(batch, makers[i % 2](drafts), CFG, k=3)
+        for _ in range(2):
+            got[i] = session.generate(requests[i][0], **requests[i][1]).token_ids
 
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(requests))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(50)
-    assert not any(t.is_alive() for t in threads), "a step waited for a slot that was not drafting"
+    errors = _on_threads(len(requests), run, "a step waited for a slot that was not drafting")
     assert not errors, errors
     assert got == lone
     assert drafts.calls > drafts.steps > 0
@@ -186,20 +198,12 @@ def test_rounds_that_switch_between_plain_steps_and_drafts_equal_their_lone_runs
                                      **({"temperature": 0.8, "seed": i} if i == 3 else {}))) for i in range(4)]
     lone = {i: Session(TARGET, DraftModel(DRAFT, CFG), CFG, k=3).generate(p, **kw).token_ids
             for i, (p, kw) in enumerate(requests)}
-    got, errors = {}, []
+    got = {}
 
     def run(i):
-        try:
-            got[i] = Session(batch, DraftModel(drafts, CFG), CFG, k=3).generate(requests[i][0],
-                                                                                **requests[i][1]).token_ids
-        except Exception as exc:  # reported below
-            errors.append(exc)
+        got[i] = Session(batch, DraftModel(drafts, CFG), CFG, k=3).generate(requests[i][0], **requests[i][1]).token_ids
 
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(requests))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(50)
+    errors = _on_threads(len(requests), run, "a request did not end")
     assert not errors, errors
     assert got == lone
     assert flipping.plain_steps > 3 and drafts.calls > drafts.steps > 0  # both modes ran
